@@ -1,0 +1,29 @@
+"""Engine-facing contract of kvswap: wire protocol, signal layout, clients, monitor.
+
+Never imports the daemon or cupy at import time.
+"""
+
+from kvswap.client.cache_worker import CacheTensor, CacheWorker
+from kvswap.client.errors import (
+    BarrierAborted,
+    BarrierTimeout,
+    ErrorCode,
+    InvalidTask,
+    KvswapError,
+    NamespaceError,
+    NotReady,
+    ProtocolError,
+    RankFailure,
+    RankTimeout,
+    TransferFailed,
+)
+from kvswap.client.protocol import PROTOCOL_VERSION
+from kvswap.client.signals import RankState
+from kvswap.client.transfer_client import TaskResult, TransferClient, TransferFuture
+
+__all__ = [
+    "BarrierAborted", "BarrierTimeout", "CacheTensor", "CacheWorker", "ErrorCode",
+    "InvalidTask", "KvswapError", "NamespaceError", "NotReady", "PROTOCOL_VERSION",
+    "ProtocolError", "RankFailure", "RankState", "RankTimeout", "TaskResult",
+    "TransferClient", "TransferFailed", "TransferFuture",
+]

@@ -1,0 +1,169 @@
+"""``CacheWorker``: the part of kvswap that lives in each engine TP worker.
+
+The worker owns the rank's KV-cache tensors.  It exports them to the rank's
+daemon (``register``) and writes the namespace's engine heartbeat, which lets
+daemons tell a live engine from a dead one.
+
+On the ``host`` backend the "GPU" tensors are shm segments that this worker
+creates with :meth:`CacheWorker.alloc_host_tensor` and the daemon maps by name;
+the worker unlinks them on :meth:`close` (it created them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import zmq
+
+from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, RankTimeout, error_for_code
+from kvswap.client.layout import TensorDesc, validate_layout
+from kvswap.client.naming import Names, check_tensor_name
+from kvswap.client.protocol import Op, Reply, decode_reply, encode_request
+from kvswap.client.shm_region import ShmRegion
+from kvswap.client.signals import H, SignalSegment, now_ns
+
+
+@dataclass
+class CacheTensor:
+    """One cache tensor of a rank: blocks on axis 0, block-major contiguous."""
+
+    name: str
+    layer: int
+    array: Any
+
+
+class CacheWorker:
+    def __init__(self, namespace: str, rank: int, run_root: str | None = None,
+                 backend: str = "host", heartbeat_interval_s: float = 0.5):
+        if backend not in ("host", "cuda"):
+            raise ValueError(f"unknown backend {backend!r} (host, cuda)")
+        self.names = Names.of(namespace, run_root)
+        self.seg = SignalSegment.attach(self.names)
+        if not 0 <= rank < self.seg.tp_size:
+            tp = self.seg.tp_size
+            self.seg.close()
+            raise ValueError(f"rank {rank} out of range for namespace tp_size {tp}")
+        self.rank = rank
+        self.backend = backend
+        self._regions: dict[str, ShmRegion] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._ctx = zmq.Context(1)
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(self.names.endpoint(rank))
+        self._closed = False
+        self._hb_interval = heartbeat_interval_s
+        self._hb_stop = threading.Event()
+        self._hb = threading.Thread(target=self._heartbeat, name="kvswap-engine-heartbeat",
+                                    daemon=True)
+        self._hb.start()
+
+    def _heartbeat(self) -> None:
+        while not self._hb_stop.is_set():
+            self.seg.header[H.ENGINE_HEARTBEAT_NS] = now_ns()
+            self._hb_stop.wait(self._hb_interval)
+
+    # ------------------------------------------------------------------ host backend
+    def alloc_host_tensor(self, name: str, shape: Sequence[int], dtype: Any) -> np.ndarray:
+        """Create a simulated device tensor in shm (host backend only), zero-filled."""
+        if self.backend != "host":
+            raise ValueError("alloc_host_tensor is for the host backend only")
+        check_tensor_name(name)
+        if name in self._regions:
+            raise ValueError(f"tensor {name!r} already allocated by this worker")
+        shape = tuple(int(d) for d in shape)
+        if not shape or any(d <= 0 for d in shape):
+            raise ValueError(f"shape must be non-empty with positive dims, got {shape}")
+        dt = np.dtype(dtype)
+        nbytes = int(np.prod(shape)) * dt.itemsize
+        region = ShmRegion.create(self.names.device_segment(self.rank, name), nbytes)
+        self._regions[name] = region
+        return region.array(0, shape, dt)
+
+    def _describe(self, t: CacheTensor) -> TensorDesc:
+        arr = t.array
+        if self.backend != "host":
+            raise InvalidTask("the cuda backend is not available in this build",
+                              ErrorCode.BAD_LAYOUT)
+        if not isinstance(arr, np.ndarray):
+            raise InvalidTask(f"tensor {t.name}: host backend expects the numpy array returned "
+                              f"by alloc_host_tensor, got {type(arr).__name__}",
+                              ErrorCode.BAD_LAYOUT)
+        region = self._regions.get(t.name)
+        if region is None:
+            raise InvalidTask(f"tensor {t.name}: not allocated with alloc_host_tensor",
+                              ErrorCode.BAD_LAYOUT)
+        if not arr.flags.c_contiguous or arr.ndim < 1:
+            raise InvalidTask(f"tensor {t.name}: must be C-contiguous with blocks on axis 0",
+                              ErrorCode.BAD_LAYOUT)
+        base = region.array(0, (1,), np.uint8)
+        if arr.__array_interface__["data"][0] != base.__array_interface__["data"][0]:
+            raise InvalidTask(f"tensor {t.name}: array does not start at its shm segment",
+                              ErrorCode.BAD_LAYOUT)
+        return TensorDesc(t.name, int(t.layer), arr.dtype.str, tuple(arr.shape),
+                          {"shm": region.name})
+
+    # ------------------------------------------------------------------ register
+    def register(self, tensors: Sequence[CacheTensor], timeout: float = 60.0) -> Reply:
+        """Export the rank's cache tensors to its daemon.
+
+        Returns once the daemon has attached them and created its host swap space.
+        The rank reports READY when every rank has registered (start-up barrier).
+        """
+        descs = [self._describe(t) for t in tensors]
+        validate_layout(descs)
+        fields = {"backend": self.backend, "tensors": [d.to_wire() for d in descs]}
+        return self._request(Op.REGISTER, fields, timeout)
+
+    def _request(self, op: Op, fields: dict, timeout: float) -> Reply:
+        with self._lock:
+            if self._closed:
+                raise KvswapError("CacheWorker is closed", ErrorCode.SHUTTING_DOWN)
+            req_id = next(self._ids)
+            self._sock.send_multipart(encode_request(op, req_id, fields))
+            deadline = time.monotonic() + timeout
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1):
+                    if time.monotonic() >= deadline:
+                        raise RankTimeout(
+                            f"rank {self.rank} did not answer {op.value} within {timeout:.1f}s "
+                            f"(is the daemon running? log {self.names.log_path(self.rank)})")
+                    continue
+                reply = decode_reply(self._sock.recv_multipart()[0])
+                if reply.id != req_id:
+                    continue  # a late reply to an earlier, timed-out request
+                if not reply.ok:
+                    raise error_for_code(reply.code, f"rank {self.rank}: {reply.message}")
+                return reply
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Stop the heartbeat and unlink the tensors this worker created.
+
+        Arrays returned by :meth:`alloc_host_tensor` stay valid until dropped."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._hb_stop.set()
+        self._hb.join(timeout=5)
+        self._sock.close()
+        self._ctx.term()
+        for region in self._regions.values():
+            region.unlink()
+            region.close()
+        self._regions.clear()
+        self.seg.close()
+
+    def __enter__(self) -> "CacheWorker":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

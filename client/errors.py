@@ -1,0 +1,151 @@
+"""Numeric error codes and the exception hierarchy shared by client and daemon.
+
+Every failure that crosses a process boundary travels as a numeric code (in a
+reply frame or in the signal segment) and is turned back into one of the
+exception classes below on the receiving side.  The codes are part of the wire
+protocol (``docs/protocol.md``): never renumber one, only add.
+
+Ranges:
+    0        OK
+    1xx      malformed traffic (protocol errors)
+    2xx      a well-formed request that is invalid (rejected whole, nothing changed)
+    3xx      the daemon's state does not allow the request now
+    4xx      a transfer was accepted but did not complete
+    5xx      something did not happen in time
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class ErrorCode(enum.IntEnum):
+    OK = 0
+
+    PROTOCOL_ERROR = 100  # frame is not a msgpack map, or the header is unusable
+    VERSION_MISMATCH = 101  # unknown major protocol version
+    UNKNOWN_OP = 102
+    BAD_FRAMES = 103  # missing or extra frames after the header
+    BAD_FIELD = 104  # a header field is missing or has the wrong type
+    MESSAGE_TOO_LARGE = 105
+
+    INVALID_TASK = 200  # generic invalid request
+    ID_OUT_OF_RANGE = 201  # block id < 0 or >= the number of blocks
+    DUPLICATE_DESTINATION = 202  # a destination block named twice in one task
+    LENGTH_MISMATCH = 203  # device and host id lists of different lengths
+    BAD_ID_DTYPE = 204  # id frame dtype not int32/int64 little-endian, or size wrong
+    BAD_LAYOUT = 205  # register: tensors inconsistent (dtype, shape, block counts)
+
+    NOT_READY = 300  # caches not attached / swap space not ready
+    SHUTTING_DOWN = 301
+    ALREADY_REGISTERED = 302
+
+    TRANSFER_FAILED = 400  # copy raised on the daemon
+
+    RANK_TIMEOUT = 500  # a rank did not answer in time
+    BARRIER_TIMEOUT = 501
+    BARRIER_ABORTED = 502  # a barrier participant failed or stopped beating
+    NAMESPACE_ERROR = 503  # namespace missing, in use, or unusable
+
+
+class KvswapError(Exception):
+    """Base of every kvswap error; ``code`` is its :class:`ErrorCode`."""
+
+    default_code: ErrorCode = ErrorCode.INVALID_TASK
+
+    def __init__(self, message: str, code: ErrorCode | int | None = None):
+        super().__init__(message)
+        self.code = ErrorCode(code) if code is not None else self.default_code
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"[{int(self.code)} {self.code.name}] {self.message}"
+
+
+class ProtocolError(KvswapError):
+    default_code = ErrorCode.PROTOCOL_ERROR
+
+
+class InvalidTask(KvswapError):
+    default_code = ErrorCode.INVALID_TASK
+
+
+class NotReady(KvswapError):
+    default_code = ErrorCode.NOT_READY
+
+
+class RankTimeout(KvswapError):
+    default_code = ErrorCode.RANK_TIMEOUT
+
+
+class BarrierTimeout(RankTimeout):
+    default_code = ErrorCode.BARRIER_TIMEOUT
+
+
+class BarrierAborted(KvswapError):
+    default_code = ErrorCode.BARRIER_ABORTED
+
+
+class NamespaceError(KvswapError):
+    default_code = ErrorCode.NAMESPACE_ERROR
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """One rank's negative reply to a task."""
+
+    rank: int
+    code: ErrorCode
+    message: str
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: [{int(self.code)} {self.code.name}] {self.message}"
+
+
+class TransferFailed(KvswapError):
+    """A task was refused or failed on one or more ranks.
+
+    ``failures`` holds one :class:`RankFailure` per failing rank; ``code`` is the
+    code of the lowest failing rank (they are usually all the same, e.g. an
+    out-of-range id is rejected by every rank).
+    """
+
+    default_code = ErrorCode.TRANSFER_FAILED
+
+    def __init__(self, task_id: int, op: str, failures: list[RankFailure]):
+        self.task_id = task_id
+        self.op = op
+        self.failures = sorted(failures, key=lambda f: f.rank)
+        detail = "; ".join(str(f) for f in self.failures)
+        code = self.failures[0].code if self.failures else ErrorCode.TRANSFER_FAILED
+        super().__init__(f"task {task_id} ({op}) failed: {detail}", code)
+
+
+_BY_RANGE: list[tuple[int, type[KvswapError]]] = [
+    (100, ProtocolError),
+    (200, InvalidTask),
+    (300, NotReady),
+    (400, KvswapError),
+    (500, RankTimeout),
+]
+
+
+def error_for_code(code: int, message: str) -> KvswapError:
+    """Rebuild the exception class that matches a numeric code from the wire."""
+    try:
+        ec = ErrorCode(code)
+    except ValueError:
+        return KvswapError(f"unknown error code {code}: {message}", ErrorCode.PROTOCOL_ERROR)
+    special = {
+        ErrorCode.BARRIER_TIMEOUT: BarrierTimeout,
+        ErrorCode.BARRIER_ABORTED: BarrierAborted,
+        ErrorCode.NAMESPACE_ERROR: NamespaceError,
+    }
+    cls = special.get(ec)
+    if cls is None:
+        cls = KvswapError
+        for lo, c in _BY_RANGE:
+            if lo <= ec < lo + 100:
+                cls = c
+    return cls(message, ec)

@@ -1,0 +1,363 @@
+"""kvswap wire protocol: one table of ops, frame encoding, request validation.
+
+Spec: ``docs/protocol.md`` (its version line must equal :data:`PROTOCOL_VERSION`;
+a test checks it).  Summary:
+
+    request  = [header, *id_frames]          client DEALER -> daemon ROUTER
+    header   = msgpack map {v: [major, minor], id: int, op: str, ...op fields}
+    id frame = raw little-endian int32 or int64 block ids (dtype named in ``ids``)
+    reply    = [msgpack map {v, id, rank, ok, code, message, tq, tx, ...reply fields}]
+
+Transfer ops carry exactly two id frames, always in the order
+(device block ids, host block ids), whatever the direction: ``evict`` copies
+device -> host, ``load`` host -> device.
+
+Compatibility: unknown header fields are ignored; a different *major* version
+is rejected with VERSION_MISMATCH; minor versions only ever add fields.
+
+Adding an op (``pause``, ``clear`` ...) is one :data:`OPS` entry here plus one
+handler in the daemon's handler table (the daemon checks at start-up that every
+op has a handler).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import msgpack
+import numpy as np
+
+from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, ProtocolError
+
+PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+
+# id frame dtypes accepted on the wire (little-endian only, so frames mean the
+# same on every host).
+ID_DTYPES: dict[str, np.dtype] = {"<i4": np.dtype("<i4"), "<i8": np.dtype("<i8")}
+_I4_MAX = np.iinfo(np.int32).max
+
+
+class Op(str, enum.Enum):
+    REGISTER = "register"
+    EVICT = "evict"
+    LOAD = "load"
+    PING = "ping"
+    STATS = "stats"
+    SHUTDOWN = "shutdown"
+
+
+class HandlerKind(enum.Enum):
+    """Where the daemon runs an op's handler."""
+
+    INLINE = "inline"  # the I/O thread answers at once (cheap, read-only or control)
+    SERIAL = "serial"  # queued to the executor, run in submission order
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    op: Op
+    fields: Mapping[str, type | tuple[type, ...]]  # required header fields and their types
+    id_frames: int  # raw id frames following the header
+    kind: HandlerKind
+    reply: tuple[str, ...]  # reply fields beyond the common ones
+    doc: str
+
+
+OPS: dict[Op, OpSpec] = {
+    spec.op: spec
+    for spec in (
+        OpSpec(Op.REGISTER, {"backend": str, "tensors": list}, 0, HandlerKind.SERIAL,
+               ("num_device_blocks", "num_host_blocks"),
+               "attach the rank's cache tensors and create its host swap space"),
+        OpSpec(Op.EVICT, {"ids": str, "n": int}, 2, HandlerKind.SERIAL, ("bytes",),
+               "copy device blocks -> host blocks for every tensor"),
+        OpSpec(Op.LOAD, {"ids": str, "n": int}, 2, HandlerKind.SERIAL, ("bytes",),
+               "copy host blocks -> device blocks for every tensor"),
+        OpSpec(Op.PING, {}, 0, HandlerKind.INLINE, ("state", "epoch", "pid"),
+               "liveness and state"),
+        OpSpec(Op.STATS, {}, 0, HandlerKind.INLINE, ("counters",),
+               "the rank's counters"),
+        OpSpec(Op.SHUTDOWN, {}, 0, HandlerKind.INLINE, (),
+               "stop accepting, fail queued tasks, finish the running one, exit"),
+    )
+}
+
+TRANSFER_OPS = frozenset({Op.EVICT, Op.LOAD})
+
+def packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass
+class Request:
+    """A decoded request as the daemon sees it."""
+
+    id: int
+    op: Op
+    header: dict
+    frames: list  # raw id frames (buffers), validated for count only
+
+
+class RequestError(KvswapError):
+    """A request that cannot be served; ``req_id`` is its id when it could be read."""
+
+    def __init__(self, code: ErrorCode, message: str, req_id: int | None = None):
+        super().__init__(message, code)
+        self.req_id = req_id
+
+
+def _type_name(t: type | tuple[type, ...]) -> str:
+    if isinstance(t, tuple):
+        return "|".join(x.__name__ for x in t)
+    return t.__name__
+
+
+def _is_type(value: Any, t: type | tuple[type, ...]) -> bool:
+    # bool is an int subclass; a bool is never a valid int field.
+    if isinstance(value, bool) and t is not bool:
+        return False
+    return isinstance(value, t)
+
+
+def decode_request(frames: Sequence[Any], max_header_bytes: int = 1 << 20) -> Request:
+    """Parse and check the shape of one request; raise :class:`RequestError` if unusable.
+
+    ``frames`` are the frames after the ROUTER identity: buffers or bytes.
+    Field *values* of transfers (ranges, duplicates) are checked later by
+    :func:`validate_transfer`, against the rank's block counts.
+    """
+    if not frames:
+        raise RequestError(ErrorCode.PROTOCOL_ERROR, "empty message")
+    raw = frames[0]
+    if len(memoryview(raw)) > max_header_bytes:
+        raise RequestError(ErrorCode.MESSAGE_TOO_LARGE,
+                           f"header of {len(memoryview(raw))} bytes exceeds {max_header_bytes}")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise RequestError(ErrorCode.PROTOCOL_ERROR, f"header is not msgpack: {exc}") from None
+    if not isinstance(header, dict):
+        raise RequestError(ErrorCode.PROTOCOL_ERROR,
+                           f"header must be a msgpack map, got {type(header).__name__}")
+    req_id = header.get("id")
+    if not _is_type(req_id, int):
+        raise RequestError(ErrorCode.BAD_FIELD, "header field 'id' missing or not an int")
+    version = header.get("v")
+    if (not isinstance(version, list) or len(version) != 2
+            or not all(_is_type(x, int) for x in version)):
+        raise RequestError(ErrorCode.BAD_FIELD,
+                           "header field 'v' must be [major, minor]", req_id)
+    if version[0] != PROTOCOL_VERSION[0]:
+        raise RequestError(
+            ErrorCode.VERSION_MISMATCH,
+            f"protocol major version {version[0]} not supported "
+            f"(this daemon speaks {PROTOCOL_VERSION[0]}.{PROTOCOL_VERSION[1]})",
+            req_id,
+        )
+    op_name = header.get("op")
+    try:
+        op = Op(op_name)
+    except ValueError:
+        raise RequestError(ErrorCode.UNKNOWN_OP, f"unknown op {op_name!r}", req_id) from None
+    spec = OPS[op]
+    for name, t in spec.fields.items():
+        if name not in header:
+            raise RequestError(ErrorCode.BAD_FIELD, f"{op.value}: missing field {name!r}", req_id)
+        if not _is_type(header[name], t):
+            raise RequestError(
+                ErrorCode.BAD_FIELD,
+                f"{op.value}: field {name!r} must be {_type_name(t)}, "
+                f"got {type(header[name]).__name__}",
+                req_id,
+            )
+    extra = len(frames) - 1
+    if extra != spec.id_frames:
+        raise RequestError(
+            ErrorCode.BAD_FRAMES,
+            f"{op.value}: expected {spec.id_frames} id frame(s) after the header, got {extra}",
+            req_id,
+        )
+    return Request(req_id, op, header, list(frames[1:]))
+
+
+def encode_request(op: Op, req_id: int, fields: Mapping[str, Any] | None = None,
+                   frames: Sequence[Any] = ()) -> list:
+    header = {"v": list(PROTOCOL_VERSION), "id": req_id, "op": op.value}
+    if fields:
+        header.update(fields)
+    return [packb(header), *frames]
+
+
+# --------------------------------------------------------------------------- block ids
+
+
+def as_block_ids(ids: Any, what: str) -> np.ndarray:
+    """Turn a list or numpy integer array into a contiguous little-endian id array.
+
+    int32 on the wire when every id fits, int64 otherwise.  Raises
+    :class:`InvalidTask` (BAD_ID_DTYPE) for non-integer input.
+    """
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        if arr.size == 0:
+            arr = arr.reshape(0)
+        else:
+            raise InvalidTask(f"{what} must be a 1-D sequence of block ids, got shape {arr.shape}",
+                              ErrorCode.BAD_ID_DTYPE)
+    if arr.size == 0:
+        return np.empty(0, dtype="<i4")
+    if arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
+        raise InvalidTask(f"{what} must hold integers, got dtype {arr.dtype}",
+                          ErrorCode.BAD_ID_DTYPE)
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0:
+        raise InvalidTask(f"{what} holds negative block id {lo}", ErrorCode.ID_OUT_OF_RANGE)
+    target = "<i4" if hi <= _I4_MAX else "<i8"
+    if hi > np.iinfo(np.int64).max:
+        raise InvalidTask(f"{what} holds block id {hi} beyond int64", ErrorCode.ID_OUT_OF_RANGE)
+    # Always a private copy: the frame is sent zero-copy, after this call returns.
+    return np.array(arr, dtype=target, copy=True, order="C")
+
+
+def decode_id_frame(buf: Any, dtype_name: str, what: str) -> np.ndarray:
+    """View a raw id frame as an array without copying; check its dtype and size."""
+    dtype = ID_DTYPES.get(dtype_name)
+    if dtype is None:
+        raise InvalidTask(
+            f"id dtype {dtype_name!r} not supported (use one of {sorted(ID_DTYPES)})",
+            ErrorCode.BAD_ID_DTYPE,
+        )
+    mv = memoryview(buf)
+    if mv.nbytes % dtype.itemsize:
+        raise InvalidTask(
+            f"{what} frame of {mv.nbytes} bytes is not a whole number of {dtype_name} ids",
+            ErrorCode.BAD_ID_DTYPE,
+        )
+    return np.frombuffer(mv, dtype=dtype)
+
+
+def decode_transfer(req: "Request") -> tuple[np.ndarray, np.ndarray]:
+    """The (device ids, host ids) of a transfer request, as zero-copy views."""
+    hdr = req.header
+    dev = decode_id_frame(req.frames[0], hdr["ids"], "device ids")
+    host = decode_id_frame(req.frames[1], hdr["ids"], "host ids")
+    if dev.shape[0] != host.shape[0]:
+        raise InvalidTask(
+            f"{req.op.value}: {dev.shape[0]} device ids but {host.shape[0]} host ids",
+            ErrorCode.LENGTH_MISMATCH,
+        )
+    if hdr["n"] != dev.shape[0]:
+        raise InvalidTask(f"{req.op.value}: header says n={hdr['n']} but the frames hold "
+                          f"{dev.shape[0]} ids", ErrorCode.BAD_FIELD)
+    return dev, host
+
+
+def validate_transfer(op: Op, device_ids: np.ndarray, host_ids: np.ndarray,
+                      num_device_blocks: int, num_host_blocks: int) -> None:
+    """Reject a transfer whole before any byte moves.
+
+    Checks equal lengths, every id in range, and that no destination block is
+    named twice (the result would depend on copy order).  Sources may repeat.
+    Used by the daemon on every task and by the client before sending.
+    """
+    if device_ids.shape[0] != host_ids.shape[0]:
+        raise InvalidTask(
+            f"{op.value}: {device_ids.shape[0]} device ids but {host_ids.shape[0]} host ids",
+            ErrorCode.LENGTH_MISMATCH,
+        )
+    if device_ids.shape[0] == 0:
+        return
+    for ids, limit, side in ((device_ids, num_device_blocks, "device"),
+                             (host_ids, num_host_blocks, "host")):
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= limit:
+            bad = lo if lo < 0 else hi
+            raise InvalidTask(
+                f"{op.value}: {side} block id {bad} out of range [0, {limit})",
+                ErrorCode.ID_OUT_OF_RANGE,
+            )
+    dst = host_ids if op is Op.EVICT else device_ids
+    if dst.shape[0] > 1:
+        s = np.sort(dst)
+        dup = s[1:] == s[:-1]
+        if dup.any():
+            side = "host" if op is Op.EVICT else "device"
+            raise InvalidTask(
+                f"{op.value}: destination {side} block {int(s[1:][dup][0])} named more than once",
+                ErrorCode.DUPLICATE_DESTINATION,
+            )
+
+
+def encode_transfer(op: Op, req_id: int, device_ids: np.ndarray, host_ids: np.ndarray) -> list:
+    """Frames of a transfer request; both id arrays share one dtype."""
+    dtype = "<i8" if "<i8" in (device_ids.dtype.str, host_ids.dtype.str) else "<i4"
+    dev = device_ids if device_ids.dtype.str == dtype else device_ids.astype(dtype)
+    host = host_ids if host_ids.dtype.str == dtype else host_ids.astype(dtype)
+    return encode_request(op, req_id, {"ids": dtype, "n": int(dev.shape[0])}, (dev, host))
+
+
+# --------------------------------------------------------------------------- replies
+
+
+@dataclass
+class Reply:
+    id: int | None
+    rank: int
+    ok: bool
+    code: ErrorCode
+    message: str
+    queued_us: float = 0.0
+    exec_us: float = 0.0
+    fields: dict = field(default_factory=dict)
+
+
+_REPLY_COMMON = ("v", "id", "rank", "ok", "code", "message", "tq", "tx")
+
+
+def encode_reply(req_id: int | None, rank: int, code: ErrorCode = ErrorCode.OK,
+                 message: str = "", queued_us: float = 0.0, exec_us: float = 0.0,
+                 **fields: Any) -> bytes:
+    body = {
+        "v": list(PROTOCOL_VERSION),
+        "id": req_id,
+        "rank": rank,
+        "ok": code == ErrorCode.OK,
+        "code": int(code),
+        "message": message,
+        "tq": round(queued_us, 1),
+        "tx": round(exec_us, 1),
+    }
+    body.update(fields)
+    return packb(body)
+
+
+def decode_reply(raw: Any) -> Reply:
+    try:
+        body = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ProtocolError(f"reply is not msgpack: {exc}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("rank"), int):
+        raise ProtocolError(f"malformed reply {body!r:.200}")
+    version = body.get("v")
+    if not isinstance(version, list) or not version or version[0] != PROTOCOL_VERSION[0]:
+        raise ProtocolError(f"reply has unsupported protocol version {version!r}",
+                            ErrorCode.VERSION_MISMATCH)
+    try:
+        code = ErrorCode(body.get("code", ErrorCode.PROTOCOL_ERROR))
+    except ValueError:
+        code = ErrorCode.PROTOCOL_ERROR
+    return Reply(
+        id=body.get("id"),
+        rank=body["rank"],
+        ok=bool(body.get("ok")),
+        code=code,
+        message=str(body.get("message", "")),
+        queued_us=float(body.get("tq", 0.0)),
+        exec_us=float(body.get("tx", 0.0)),
+        fields={k: v for k, v in body.items() if k not in _REPLY_COMMON},
+    )

@@ -1,0 +1,82 @@
+"""A named POSIX shared-memory region mapped into this process.
+
+Used for the host backend's simulated device tensors, the host swap space
+and the signal segment's neighbours.  The creator unlinks; attachers only
+close.  Segments are created with mode 0600.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import posix_ipc
+
+SHM_MODE = 0o600
+
+
+class ShmRegion:
+    def __init__(self, name: str, buf: mmap.mmap, size: int, creator: bool):
+        self.name = name
+        self.size = size
+        self.creator = creator
+        self._buf: mmap.mmap | None = buf
+
+    @classmethod
+    def create(cls, name: str, size: int, exclusive: bool = True) -> "ShmRegion":
+        """Create ``name`` of ``size`` bytes (zero-filled, pages allocated on first touch)."""
+        if size <= 0:
+            raise ValueError(f"shm region {name} must have a positive size, got {size}")
+        flags = posix_ipc.O_CREX if exclusive else posix_ipc.O_CREAT
+        shm = posix_ipc.SharedMemory(name, flags, mode=SHM_MODE, size=size)
+        try:
+            buf = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        return cls(name, buf, size, creator=True)
+
+    @classmethod
+    def attach(cls, name: str, min_size: int = 0, readonly: bool = False) -> "ShmRegion":
+        """Map an existing region; raises ``posix_ipc.ExistentialError`` if it is missing
+        and ``ValueError`` if it is smaller than ``min_size``."""
+        shm = posix_ipc.SharedMemory(name, 0, read_only=readonly)
+        try:
+            if shm.size < min_size:
+                raise ValueError(f"shm region {name} has {shm.size} bytes, expected >= {min_size}")
+            prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+            buf = mmap.mmap(shm.fd, shm.size, prot=prot)
+            size = shm.size
+        finally:
+            shm.close_fd()
+        return cls(name, buf, size, creator=False)
+
+    def array(self, offset: int, shape: tuple[int, ...], dtype: np.dtype | str) -> np.ndarray:
+        if self._buf is None:
+            raise ValueError(f"shm region {self.name} is closed")
+        return np.ndarray(shape, dtype=np.dtype(dtype), buffer=self._buf, offset=offset)
+
+    def close(self) -> None:
+        """Unmap.  If arrays into the region are still alive, the mapping stays until
+        they are garbage collected (unmapping under them would crash the process)."""
+        if self._buf is None:
+            return
+        try:
+            self._buf.close()
+        except BufferError:
+            pass
+        self._buf = None
+
+    def unlink(self) -> None:
+        """Remove the name; creator only.  Existing mappings stay valid."""
+        if not self.creator:
+            raise PermissionError(f"only the creator of {self.name} may unlink it")
+        unlink_shm(self.name)
+
+
+def unlink_shm(name: str) -> bool:
+    """Unlink a segment by name; False if it did not exist."""
+    try:
+        posix_ipc.unlink_shared_memory(name)
+        return True
+    except posix_ipc.ExistentialError:
+        return False

@@ -1,0 +1,491 @@
+"""Shared-memory signal segment of a namespace, and the cross-rank barrier.
+
+One POSIX shm segment per namespace, ``/kvswap.<ns>.signals``, created (and
+later unlinked) by the launcher; daemons, CacheWorkers, clients and
+``kvswap status`` only attach.  Everything in it is a little-endian u64 slot,
+so every field is written with one aligned store and each field has exactly
+one writing thread (the table below): readers never see a torn value and no
+lock is needed.  Observing the segment never blocks a daemon.
+
+::
+
+    offset 0                      128                 128 + 128*r           128 + 128*tp
+    +-----------------------------+-------------------+-----+--------------------+
+    | namespace header (16 x u64) | rank 0 (16 x u64) | ... | rank tp-1          |
+    +-----------------------------+-------------------+-----+--------------------+
+
+    namespace header                      rank block
+    slot  field                           slot  field
+    0     magic "KVSWAPSG"                0     state (RankState)
+    1     layout_version                  1     pid
+    2     tp_size                         2     epoch
+    3     created_unix_ns                 3     heartbeat_ns (CLOCK_MONOTONIC)
+    4     launcher_pid                    4     cache_ready (0/1)
+    5     engine_heartbeat_ns             5     swap_ready (0/1)
+    6     kvcache_status (KvCacheStatus)  6     inflight
+    7-15  reserved                        7     completed
+                                          8     failed
+                                          9     bytes_evicted
+                                          10    bytes_loaded
+                                          11    num_device_blocks
+                                          12    num_host_blocks
+                                          13    barrier_arrivals
+                                          14    last_error (ErrorCode)
+                                          15    reserved
+
+Writers and readers of every field are in :data:`HEADER_FIELDS` and
+:data:`RANK_FIELDS` (and in ``docs/signals.md``).
+
+Barrier: each rank counts its arrivals in ``barrier_arrivals``; the k-th
+barrier completes for a rank when every participant's count is >= k.  A rank
+that arrives posts every other participant's wake semaphore
+(``/kvswap.<ns>.wake.r<r>``), so waiters sleep instead of spinning; they wake
+at least every 50 ms to check for a FAILED or silent participant (abort) and
+for their deadline (timeout).  A rank that gives up withdraws its arrival.
+"""
+
+from __future__ import annotations
+
+import enum
+import mmap
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, TypeVar
+
+import numpy as np
+import posix_ipc
+
+from kvswap.client.errors import (
+    BarrierAborted,
+    BarrierTimeout,
+    ErrorCode,
+    NamespaceError,
+    RankTimeout,
+)
+from kvswap.client.naming import Names
+
+MAGIC = int.from_bytes(b"KVSWAPSG", "little")
+LAYOUT_VERSION = 1
+SLOTS = 16
+BLOCK_BYTES = SLOTS * 8
+HEADER_OFFSET = 0
+RANKS_OFFSET = BLOCK_BYTES
+SHM_MODE = 0o600
+
+
+class RankState(enum.IntEnum):
+    """Life cycle of one rank daemon, as published in its ``state`` slot.
+
+    ABSENT -> STARTING -> ATTACHING -> READY <-> PAUSED
+    READY -> CLEARING -> CLEARED -> ATTACHING (restore)
+    any -> STOPPING -> STOPPED (clean exit);  any -> FAILED
+    """
+
+    ABSENT = 0  # slot never written: daemon not started yet
+    STARTING = 1  # process up, binding its socket
+    ATTACHING = 2  # serving; waiting for caches to be registered / the start-up barrier
+    READY = 3  # caches attached, swap space ready, all ranks attached
+    PAUSED = 4
+    CLEARING = 5
+    CLEARED = 6
+    STOPPING = 7  # shutdown requested; queued tasks are failed, running one finishes
+    STOPPED = 8  # exited cleanly
+    FAILED = 9  # unrecoverable error; see last_error and the rank's log
+
+
+class KvCacheStatus(enum.IntEnum):
+    """Namespace-wide state of the engine's KV caches (weight-update flow)."""
+
+    NORMAL = 0
+    CLEARING = 1
+    CLEARED = 2
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    index: int
+    writer: str
+    readers: str
+    doc: str
+
+
+HEADER_FIELDS: tuple[Slot, ...] = (
+    Slot("magic", 0, "launcher (create)", "every attacher", "0x4753504157535653 ('KVSWAPSG')"),
+    Slot("layout_version", 1, "launcher (create)", "every attacher", "this layout's version"),
+    Slot("tp_size", 2, "launcher (create)", "every attacher", "number of rank blocks"),
+    Slot("created_unix_ns", 3, "launcher (create)", "status", "wall-clock creation time"),
+    Slot("launcher_pid", 4, "launcher", "daemons, status", "pid of the supervising launcher"),
+    Slot("engine_heartbeat_ns", 5, "CacheWorker heartbeat thread", "status, daemons",
+         "last engine heartbeat, CLOCK_MONOTONIC ns"),
+    Slot("kvcache_status", 6, "TransferClient", "status, CacheWorker", "KvCacheStatus"),
+)
+
+RANK_FIELDS: tuple[Slot, ...] = (
+    Slot("state", 0, "daemon (state machine, under its lock)", "launcher, client, status, barrier",
+         "RankState"),
+    Slot("pid", 1, "daemon main thread", "launcher, status", "daemon process id"),
+    Slot("epoch", 2, "daemon main thread", "client, status", "incremented on every daemon start"),
+    Slot("heartbeat_ns", 3, "daemon heartbeat thread", "launcher, barrier, status",
+         "last beat, CLOCK_MONOTONIC ns"),
+    Slot("cache_ready", 4, "daemon executor", "client, status", "1 once caches are attached"),
+    Slot("swap_ready", 5, "daemon executor", "client, status", "1 once host swap space exists"),
+    Slot("inflight", 6, "daemon I/O thread", "status", "accepted tasks not yet answered"),
+    Slot("completed", 7, "daemon I/O thread", "status", "transfer tasks completed"),
+    Slot("failed", 8, "daemon I/O thread", "status", "transfer tasks rejected or failed"),
+    Slot("bytes_evicted", 9, "daemon I/O thread", "status", "bytes copied device -> host"),
+    Slot("bytes_loaded", 10, "daemon I/O thread", "status", "bytes copied host -> device"),
+    Slot("num_device_blocks", 11, "daemon executor", "client, status", "blocks per device tensor"),
+    Slot("num_host_blocks", 12, "daemon executor", "client, status", "blocks per host tensor"),
+    Slot("barrier_arrivals", 13, "the rank's barrier caller", "barrier", "barriers entered"),
+    Slot("last_error", 14, "daemon (any thread, via state machine)", "launcher, status",
+         "ErrorCode of the last failure"),
+)
+
+
+class H(enum.IntEnum):
+    """Slot index of each namespace header field."""
+
+    MAGIC = 0
+    LAYOUT_VERSION = 1
+    TP_SIZE = 2
+    CREATED_UNIX_NS = 3
+    LAUNCHER_PID = 4
+    ENGINE_HEARTBEAT_NS = 5
+    KVCACHE_STATUS = 6
+
+
+class R(enum.IntEnum):
+    """Slot index of each rank field."""
+
+    STATE = 0
+    PID = 1
+    EPOCH = 2
+    HEARTBEAT_NS = 3
+    CACHE_READY = 4
+    SWAP_READY = 5
+    INFLIGHT = 6
+    COMPLETED = 7
+    FAILED = 8
+    BYTES_EVICTED = 9
+    BYTES_LOADED = 10
+    NUM_DEVICE_BLOCKS = 11
+    NUM_HOST_BLOCKS = 12
+    BARRIER_ARRIVALS = 13
+    LAST_ERROR = 14
+
+
+def segment_size(tp_size: int) -> int:
+    return RANKS_OFFSET + tp_size * BLOCK_BYTES
+
+
+def now_ns() -> int:
+    """CLOCK_MONOTONIC in ns: system-wide on Linux, so comparable across processes."""
+    return time.monotonic_ns()
+
+
+class SignalSegment:
+    """A mapped signal segment.  Only the creator may :meth:`unlink` it."""
+
+    def __init__(self, names: Names, shm: posix_ipc.SharedMemory, buf: mmap.mmap,
+                 creator: bool, readonly: bool):
+        self.names = names
+        self._shm = shm
+        self._buf = buf
+        self.creator = creator
+        self.readonly = readonly
+        self.header = np.ndarray((SLOTS,), dtype="<u8", buffer=buf, offset=HEADER_OFFSET)
+        self.tp_size = int(self.header[H.TP_SIZE])
+        self.ranks = np.ndarray((self.tp_size, SLOTS), dtype="<u8", buffer=buf,
+                                offset=RANKS_OFFSET)
+
+    # ------------------------------------------------------------------ open/close
+    @classmethod
+    def create(cls, names: Names, tp_size: int) -> "SignalSegment":
+        if not 1 <= tp_size <= 1024:
+            raise ValueError(f"tp_size must be in [1, 1024], got {tp_size}")
+        try:
+            shm = posix_ipc.SharedMemory(names.signals, posix_ipc.O_CREX, mode=SHM_MODE,
+                                         size=segment_size(tp_size))
+        except posix_ipc.ExistentialError:
+            raise NamespaceError(
+                f"namespace {names.namespace!r} is in use: {names.signals} already exists"
+            ) from None
+        try:
+            buf = mmap.mmap(shm.fd, shm.size)
+        finally:
+            shm.close_fd()
+        header = np.ndarray((SLOTS,), dtype="<u8", buffer=buf)
+        header[H.TP_SIZE] = tp_size
+        header[H.LAYOUT_VERSION] = LAYOUT_VERSION
+        header[H.CREATED_UNIX_NS] = time.time_ns()
+        header[H.LAUNCHER_PID] = os.getpid()
+        header[H.KVCACHE_STATUS] = KvCacheStatus.NORMAL
+        header[H.MAGIC] = MAGIC  # written last: attachers treat the segment as valid from here
+        seg = cls(names, shm, buf, creator=True, readonly=False)
+        del header
+        return seg
+
+    @classmethod
+    def attach(cls, names: Names, readonly: bool = False) -> "SignalSegment":
+        try:
+            shm = posix_ipc.SharedMemory(names.signals, 0, read_only=readonly)
+        except posix_ipc.ExistentialError:
+            raise NamespaceError(
+                f"namespace {names.namespace!r} does not exist (no {names.signals}); "
+                f"start it with 'kvswap launch --namespace {names.namespace}'"
+            ) from None
+        try:
+            size = shm.size
+            if size < RANKS_OFFSET:
+                raise NamespaceError(f"{names.signals} is too small ({size} bytes)")
+            prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+            buf = mmap.mmap(shm.fd, size, prot=prot)
+        finally:
+            shm.close_fd()
+        header = np.ndarray((SLOTS,), dtype="<u8", buffer=buf)
+        magic, version, tp = int(header[H.MAGIC]), int(header[H.LAYOUT_VERSION]), int(
+            header[H.TP_SIZE])
+        del header
+        if magic != MAGIC:
+            buf.close()
+            raise NamespaceError(f"{names.signals} is not a kvswap signal segment (bad magic)")
+        if version != LAYOUT_VERSION:
+            buf.close()
+            raise NamespaceError(
+                f"{names.signals} has layout version {version}, this kvswap reads {LAYOUT_VERSION}"
+            )
+        if size < segment_size(tp):
+            buf.close()
+            raise NamespaceError(f"{names.signals} is truncated for tp_size={tp}")
+        return cls(names, shm, buf, creator=False, readonly=readonly)
+
+    def close(self) -> None:
+        if self._buf is None:
+            return
+        # Views must be dropped before the mmap can close.
+        del self.header, self.ranks
+        try:
+            self._buf.close()
+        except BufferError:
+            # A caller still holds a view (e.g. a RankSignals); the mapping is
+            # released when that view is garbage collected.
+            pass
+        self._buf = None
+
+    def unlink(self) -> None:
+        """Remove the segment's name.  Creator only (attachers never unlink)."""
+        if not self.creator:
+            raise NamespaceError("only the creator of a signal segment may unlink it")
+        try:
+            posix_ipc.unlink_shared_memory(self.names.signals)
+        except posix_ipc.ExistentialError:
+            pass
+
+    # ------------------------------------------------------------------ access
+    def rank(self, r: int) -> "RankSignals":
+        if not 0 <= r < self.tp_size:
+            raise ValueError(f"rank {r} out of range for tp_size {self.tp_size}")
+        return RankSignals(r, self.ranks[r])
+
+    def state_of(self, r: int) -> RankState:
+        try:
+            return RankState(int(self.ranks[r, R.STATE]))
+        except ValueError:
+            return RankState.FAILED
+
+    def heartbeat_age_s(self, r: int, now: int | None = None) -> float | None:
+        hb = int(self.ranks[r, R.HEARTBEAT_NS])
+        if hb == 0:
+            return None
+        return max(0, (now if now is not None else now_ns()) - hb) / 1e9
+
+    def snapshot(self) -> dict:
+        """Plain-data copy of the segment (for status and tests)."""
+        now = now_ns()
+        hdr = self.header
+        engine_hb = int(hdr[H.ENGINE_HEARTBEAT_NS])
+        ranks = []
+        for r in range(self.tp_size):
+            row = {f.name: int(self.ranks[r, f.index]) for f in RANK_FIELDS}
+            row["rank"] = r
+            row["state"] = self.state_of(r).name
+            try:
+                row["last_error"] = ErrorCode(row["last_error"]).name
+            except ValueError:
+                row["last_error"] = str(row["last_error"])
+            row["heartbeat_age_s"] = self.heartbeat_age_s(r, now)
+            del row["heartbeat_ns"]
+            ranks.append(row)
+        try:
+            kv = KvCacheStatus(int(hdr[H.KVCACHE_STATUS])).name
+        except ValueError:
+            kv = str(int(hdr[H.KVCACHE_STATUS]))
+        return {
+            "namespace": self.names.namespace,
+            "tp_size": self.tp_size,
+            "launcher_pid": int(hdr[H.LAUNCHER_PID]),
+            "created_unix_ns": int(hdr[H.CREATED_UNIX_NS]),
+            "engine_heartbeat_age_s": (max(0, now - engine_hb) / 1e9) if engine_hb else None,
+            "kvcache_status": kv,
+            "ranks": ranks,
+        }
+
+
+class RankSignals:
+    """The 16 slots of one rank, indexed by :class:`R`."""
+
+    __slots__ = ("rank", "slots")
+
+    def __init__(self, rank: int, slots: np.ndarray):
+        self.rank = rank
+        self.slots = slots
+
+    def __getitem__(self, field: R) -> int:
+        return int(self.slots[field])
+
+    def __setitem__(self, field: R, value: int) -> None:
+        self.slots[field] = value
+
+    def add(self, field: R, delta: int) -> None:
+        """Increment; only for fields whose single writer is the calling thread."""
+        self.slots[field] = int(self.slots[field]) + delta
+
+
+# ---------------------------------------------------------------------- waiting
+
+T = TypeVar("T")
+
+
+def poll_until(check: Callable[[], T | None], deadline: float,
+               first_sleep: float = 0.0002, max_sleep: float = 0.02) -> T | None:
+    """Call ``check`` with exponential back-off until it returns non-None or the
+    monotonic ``deadline`` passes (then return None).  Never spins a core."""
+    sleep = first_sleep
+    while True:
+        result = check()
+        if result is not None:
+            return result
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        time.sleep(min(sleep, remaining))
+        sleep = min(sleep * 2, max_sleep)
+
+
+# ---------------------------------------------------------------------- semaphores
+
+
+def create_wake_semaphores(names: Names, tp_size: int) -> None:
+    for r in range(tp_size):
+        try:
+            posix_ipc.Semaphore(names.wake_sem(r), posix_ipc.O_CREX, mode=SHM_MODE,
+                                initial_value=0).close()
+        except posix_ipc.ExistentialError:
+            raise NamespaceError(
+                f"namespace {names.namespace!r} is in use: {names.wake_sem(r)} already exists"
+            ) from None
+
+
+def unlink_wake_semaphores(names: Names, tp_size: int) -> None:
+    for r in range(tp_size):
+        try:
+            posix_ipc.unlink_semaphore(names.wake_sem(r))
+        except posix_ipc.ExistentialError:
+            pass
+
+
+class Barrier:
+    """Reusable, generation-based barrier among ``participants`` of a namespace.
+
+    ``wait`` returns the generation reached (1 for the first barrier).  It raises
+    :class:`BarrierTimeout` naming the ranks that never arrived, or
+    :class:`BarrierAborted` as soon as a missing participant is FAILED or its
+    heartbeat is older than ``stale_after_s``.
+    """
+
+    ABORT_CHECK_S = 0.05
+
+    def __init__(self, seg: SignalSegment, rank: int, participants: Iterable[int] | None = None,
+                 stale_after_s: float = 5.0):
+        self.seg = seg
+        self.rank = rank
+        self.participants = sorted(participants if participants is not None
+                                   else range(seg.tp_size))
+        if rank not in self.participants:
+            raise ValueError(f"rank {rank} is not a participant of {self.participants}")
+        self.stale_after_s = stale_after_s
+        names = seg.names
+        try:
+            self._own = posix_ipc.Semaphore(names.wake_sem(rank))
+            self._others = [posix_ipc.Semaphore(names.wake_sem(p))
+                            for p in self.participants if p != rank]
+        except posix_ipc.ExistentialError:
+            raise NamespaceError(
+                f"namespace {names.namespace!r} has no barrier semaphores") from None
+
+    def close(self) -> None:
+        for sem in [self._own, *self._others]:
+            sem.close()
+
+    def _missing(self, target: int) -> list[int]:
+        col = self.seg.ranks[:, R.BARRIER_ARRIVALS]
+        return [p for p in self.participants if int(col[p]) < target]
+
+    def wait(self, timeout: float, what: str = "barrier",
+             cancelled: Callable[[], bool] | None = None) -> int:
+        """Arrive and wait for every participant; ``cancelled`` is polled with the
+        abort checks and makes the wait raise :class:`BarrierAborted`."""
+        me = self.seg.rank(self.rank)
+        target = me[R.BARRIER_ARRIVALS] + 1
+        me[R.BARRIER_ARRIVALS] = target
+        for sem in self._others:
+            sem.release()
+        deadline = time.monotonic() + timeout
+        while True:
+            missing = self._missing(target)
+            if not missing:
+                return target
+            if cancelled is not None and cancelled():
+                me[R.BARRIER_ARRIVALS] = target - 1
+                raise BarrierAborted(f"{what} (generation {target}) on rank {self.rank} cancelled")
+            now = now_ns()
+            for p in missing:
+                state = self.seg.state_of(p)
+                age = self.seg.heartbeat_age_s(p, now)
+                if state == RankState.FAILED or (age is not None and age > self.stale_after_s):
+                    me[R.BARRIER_ARRIVALS] = target - 1
+                    why = "is FAILED" if state == RankState.FAILED else (
+                        f"has not beaten for {age:.1f}s")
+                    raise BarrierAborted(
+                        f"{what} (generation {target}) on rank {self.rank} aborted: "
+                        f"rank {p} {why}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                me[R.BARRIER_ARRIVALS] = target - 1
+                detail = ", ".join(f"rank {p} ({self.seg.state_of(p).name})" for p in missing)
+                raise BarrierTimeout(
+                    f"{what} (generation {target}) on rank {self.rank} timed out after "
+                    f"{timeout:.1f}s waiting for {detail}")
+            try:
+                self._own.acquire(min(remaining, self.ABORT_CHECK_S))
+            except posix_ipc.BusyError:
+                pass
+
+
+def wait_ranks(seg: SignalSegment, ranks: Iterable[int], want: Callable[[int], bool],
+               timeout: float, what: str, describe: Callable[[int], str]) -> None:
+    """Wait until ``want(r)`` holds for every rank, or raise :class:`RankTimeout`
+    naming each rank that is still missing (``describe(r)`` says why)."""
+    ranks = list(ranks)
+
+    def check() -> bool | None:
+        return True if all(want(r) for r in ranks) else None
+
+    if poll_until(check, time.monotonic() + timeout) is None:
+        missing = [r for r in ranks if not want(r)]
+        raise RankTimeout(
+            f"timed out after {timeout:.1f}s waiting for {what}: "
+            + "; ".join(describe(r) for r in missing)
+        )

@@ -1,0 +1,108 @@
+"""The interface between the daemon core and a data-moving backend.
+
+Everything above it (protocol, scheduling, signals, supervision) is shared; a
+backend only maps a rank's caches and moves blocks.  Two implementations:
+``host`` (below: simulated device tensors in shm, numpy copies) and ``cuda``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol, Sequence
+
+import numpy as np
+import posix_ipc
+
+from kvswap.client.errors import ErrorCode, InvalidTask
+from kvswap.client.layout import TensorDesc
+from kvswap.client.naming import Names
+from kvswap.client.protocol import Op
+from kvswap.client.shm_region import ShmRegion
+from kvswap.daemon.swap_space import HostSwapSpace
+from kvswap.kernels.host_copy import as_block_bytes, copy_blocks
+from kvswap.kernels.planner import plan_copy
+
+log = logging.getLogger("kvswap.daemon.backend")
+
+
+class Backend(Protocol):
+    """What the daemon core needs from a backend."""
+
+    name: str
+
+    def attach(self, tensors: Sequence[TensorDesc], swap: HostSwapSpace) -> None:
+        """Map the rank's device tensors and bind them to ``swap``; raise
+        :class:`InvalidTask` (BAD_LAYOUT) and leave nothing mapped on failure."""
+
+    def copy(self, op: Op, device_ids: np.ndarray, host_ids: np.ndarray) -> int:
+        """Move the blocks of a validated task for every tensor; return bytes moved."""
+
+    def detach(self) -> None:
+        """Release every device mapping (idempotent)."""
+
+
+class HostBackend:
+    """Simulated device: the "GPU" tensors are shm segments exported by name.
+
+    This runs the whole multi-process system on a machine without a GPU; it is a
+    simulation, not GPU support.  Only segments of this namespace and rank
+    (``/kvswap.<ns>.dev.r<rank>.*``) may be mapped.
+    """
+
+    name = "host"
+
+    def __init__(self, names: Names, rank: int):
+        self.names = names
+        self.rank = rank
+        self._regions: list[ShmRegion] = []
+        self._pairs: list[tuple[np.ndarray, np.ndarray]] = []  # (device, host) byte views
+
+    def attach(self, tensors: Sequence[TensorDesc], swap: HostSwapSpace) -> None:
+        prefix = f"/{self.names.prefix}dev.r{self.rank}."
+        regions: list[ShmRegion] = []
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        try:
+            for t, host in zip(tensors, swap.blocks):
+                seg = t.location.get("shm")
+                if not isinstance(seg, str) or not seg.startswith(prefix):
+                    raise InvalidTask(
+                        f"tensor {t.name}: host backend needs location.shm naming a segment "
+                        f"'{prefix}<name>' (use CacheWorker.alloc_host_tensor), got {seg!r}",
+                        ErrorCode.BAD_LAYOUT)
+                try:
+                    region = ShmRegion.attach(seg, min_size=t.nbytes)
+                except posix_ipc.ExistentialError:
+                    raise InvalidTask(f"tensor {t.name}: shm segment {seg} does not exist",
+                                      ErrorCode.BAD_LAYOUT) from None
+                except ValueError as exc:
+                    raise InvalidTask(f"tensor {t.name}: {exc}", ErrorCode.BAD_LAYOUT) from None
+                regions.append(region)
+                dev = as_block_bytes(region.array(0, t.shape, t.dtype))
+                pairs.append((dev, host))
+        except BaseException:
+            pairs.clear()
+            for r in regions:
+                r.close()
+            raise
+        self.detach()
+        self._regions, self._pairs = regions, pairs
+
+    def copy(self, op: Op, device_ids: np.ndarray, host_ids: np.ndarray) -> int:
+        if op is Op.EVICT:
+            return copy_blocks(plan_copy(device_ids, host_ids), self._pairs)
+        return copy_blocks(plan_copy(host_ids, device_ids), [(h, d) for d, h in self._pairs])
+
+    def detach(self) -> None:
+        self._pairs = []
+        for r in self._regions:
+            r.close()
+        self._regions = []
+
+
+def make_backend(kind: str, names: Names, rank: int) -> Backend:
+    if kind == "host":
+        return HostBackend(names, rank)
+    if kind == "cuda":
+        raise InvalidTask("the cuda backend is not available in this build",
+                          ErrorCode.BAD_LAYOUT)
+    raise ValueError(f"unknown backend {kind!r} (host, cuda)")

@@ -1,0 +1,174 @@
+"""``kvswap``: launch a namespace, show its status, run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+
+from kvswap.client.errors import KvswapError
+from kvswap.client.layout import DEMO_LAYOUT_HELP, parse_demo_layout
+from kvswap.client.monitor import format_json, format_table, read_status
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--namespace", required=True, help="namespace (one engine instance)")
+    p.add_argument("--run-root", default=None,
+                   help="parent of the run dir (default $KVSWAP_RUN_ROOT, "
+                        "$XDG_RUNTIME_DIR/kvswap or /tmp/kvswap-<uid>)")
+
+
+def _devices(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--devices takes a list like 0,1 (got {text!r})")
+
+
+def _layout(text: str) -> str:
+    try:
+        parse_demo_layout(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc))
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvswap", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    la = sub.add_parser("launch", help="start one daemon per rank and supervise them",
+                        description="Create the namespace, start one kvswapd per rank, wait "
+                                    "until all are READY, stay in the foreground; SIGINT or "
+                                    "SIGTERM stops every daemon and removes the namespace.")
+    _add_common(la)
+    la.add_argument("--tp", type=int, required=True, help="number of ranks")
+    la.add_argument("--backend", choices=("host", "cuda"), default="host",
+                    help="host: simulated device in shm (no GPU); cuda: real GPUs")
+    la.add_argument("--host-blocks", type=int, default=1024,
+                    help="blocks of host swap space per tensor and rank (default 1024)")
+    la.add_argument("--devices", type=_devices, default=None,
+                    help="GPU ordinal per rank, e.g. 0,1 (cuda backend)")
+    la.add_argument("--demo-caches", nargs="?", const="", default=None, type=_layout,
+                    metavar="LAYOUT",
+                    help="daemons create their own simulated caches instead of waiting for "
+                         "CacheWorkers to register. LAYOUT: " + DEMO_LAYOUT_HELP)
+    la.add_argument("--ready-timeout", type=float, default=600.0,
+                    help="seconds to wait for every rank to be READY (default 600)")
+    la.add_argument("--stop-timeout", type=float, default=10.0,
+                    help="deadline for the staged stop: shutdown message, SIGTERM at 50%%, "
+                         "SIGKILL at 80%% (default 10)")
+    la.add_argument("--log-dir", default=None,
+                    help="where per-rank logs go (default: the run dir, removed at teardown)")
+    la.add_argument("--log-level", default="INFO")
+
+    st = sub.add_parser("status", help="show the state of every rank (reads shared memory only)")
+    _add_common(st)
+    st.add_argument("--json", action="store_true", help="print one JSON object")
+    st.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    st.add_argument("--interval", type=float, default=1.0, help="--watch refresh period")
+
+    de = sub.add_parser("demo", help="run a verified multi-process evict/load workload")
+    de.add_argument("--tp", type=int, default=2)
+    de.add_argument("--tasks", type=int, default=600)
+    de.add_argument("--threads", type=int, default=4)
+    de.add_argument("--host-blocks", type=int, default=256)
+    de.add_argument("--layout", type=_layout, default="", help=DEMO_LAYOUT_HELP)
+    de.add_argument("--seed", type=int, default=0)
+    de.add_argument("--run-root", default=None)
+    return p
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from kvswap.daemon.launcher import LaunchConfig, Launcher
+
+    _setup_logging()
+    stop = threading.Event()
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, lambda *_: stop.set())
+    launcher = Launcher(LaunchConfig(
+        namespace=args.namespace, tp=args.tp, backend=args.backend, host_blocks=args.host_blocks,
+        devices=args.devices, run_root=args.run_root, demo_caches=args.demo_caches,
+        log_dir=args.log_dir, ready_timeout_s=args.ready_timeout,
+        stop_timeout_s=args.stop_timeout, log_level=args.log_level))
+    status = 0
+    try:
+        launcher.start()
+        t0 = time.monotonic()
+        launcher.wait_ready(on_progress=lambda text: print(
+            f"[{time.monotonic() - t0:6.1f}s] waiting: {text}", flush=True))
+        print(f"kvswap: namespace {args.namespace} READY on {args.tp} rank(s) "
+              f"(kvswap status --namespace {args.namespace})", flush=True)
+        while not stop.wait(0.2):
+            dead = launcher.dead_ranks()
+            if dead:
+                for r, rc in dead:
+                    print(f"kvswap: rank {r} exited with status {rc}; log "
+                          f"{launcher.names.log_path(r, launcher.log_dir)}", file=sys.stderr)
+                status = 1
+                break
+    except KvswapError as exc:
+        print(f"kvswap launch: {exc}", file=sys.stderr)
+        status = 1
+    finally:
+        launcher.stop()
+    return status
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    try:
+        while True:
+            st = read_status(args.namespace, args.run_root)
+            text = format_json(st) if args.json else format_table(st)
+            if args.watch:
+                print("\x1b[2J\x1b[H" + text, flush=True)
+                time.sleep(args.interval)
+            else:
+                print(text)
+                return 0
+    except KvswapError as exc:
+        print(f"kvswap status: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvswap.daemon.demo import DemoConfig, run_demo
+
+    _setup_logging()
+    logging.getLogger("kvswap").setLevel(logging.WARNING)
+    try:
+        res = run_demo(DemoConfig(tp=args.tp, tasks=args.tasks, threads=args.threads,
+                                  host_blocks=args.host_blocks, layout=args.layout,
+                                  seed=args.seed, run_root=args.run_root))
+    except KvswapError as exc:
+        print(f"kvswap demo: {exc}", file=sys.stderr)
+        return 1
+    print(res.summary(), flush=True)
+    for m in res.mismatches[:20]:
+        print(f"  MISMATCH {m}", file=sys.stderr)
+    for leak in res.leaks:
+        print(f"  LEAK {leak}", file=sys.stderr)
+    return 0 if res.ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"launch": cmd_launch, "status": cmd_status, "demo": cmd_demo}[args.cmd](args)
+    except ValueError as exc:
+        print(f"kvswap {args.cmd}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

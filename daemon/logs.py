@@ -1,0 +1,53 @@
+"""Daemon logging: one line per event, repeats rate-limited.
+
+A message template that repeats (e.g. the same malformed frame from a broken
+client) is logged the first time, then at most once per ``window_s`` with a
+count of what was suppressed, so a misbehaving peer cannot flood the disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+
+_DIGITS = re.compile(r"\d+")
+
+
+class RateLimitFilter(logging.Filter):
+    def __init__(self, window_s: float = 10.0):
+        super().__init__()
+        self.window_s = window_s
+        self._seen: dict[tuple[str, int], tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # Same text up to numbers (ids, counts, timings) = same event.
+        key = (_DIGITS.sub("#", record.getMessage()), record.levelno)
+        now = time.monotonic()
+        last = self._seen.get(key)
+        if last is None:
+            self._seen[key] = (now, 0)
+            if len(self._seen) > 4096:  # bound memory against unbounded distinct templates
+                self._seen.clear()
+            return True
+        t0, suppressed = last
+        if now - t0 < self.window_s:
+            self._seen[key] = (t0, suppressed + 1)
+            return False
+        self._seen[key] = (now, 0)
+        if suppressed:
+            record.msg = f"{record.msg} [repeated {suppressed} more times in {self.window_s:.0f}s]"
+        return True
+
+
+def setup_logging(rank: int, level: str = "INFO", window_s: float = 10.0) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        f"%(asctime)s.%(msecs)03d rank{rank} %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S"))
+    handler.addFilter(RateLimitFilter(window_s))
+    root = logging.getLogger("kvswap")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False

@@ -1,0 +1,10 @@
+"""Data movers: copy planning (run coalescing) and the host copy engine.
+
+The planner is shared by every backend; the CUDA kernels and their loader
+(imported only by the ``cuda`` backend) also live here.
+"""
+
+from kvswap.kernels.planner import CopyPlan, plan_copy
+from kvswap.kernels.host_copy import copy_blocks
+
+__all__ = ["CopyPlan", "plan_copy", "copy_blocks"]

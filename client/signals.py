@@ -9,9 +9,9 @@ lock is needed.  Observing the segment never blocks a daemon.
 
 ::
 
-    offset 0                      128                 128 + 128*r           128 + 128*tp
+    offset 0                      128                 128 + 256*r           128 + 256*tp
     +-----------------------------+-------------------+-----+--------------------+
-    | namespace header (16 x u64) | rank 0 (16 x u64) | ... | rank tp-1          |
+    | namespace header (16 x u64) | rank 0 (32 x u64) | ... | rank tp-1          |
     +-----------------------------+-------------------+-----+--------------------+
 
     namespace header                      rank block
@@ -31,7 +31,9 @@ lock is needed.  Observing the segment never blocks a daemon.
                                           12    num_host_blocks
                                           13    barrier_arrivals
                                           14    last_error (ErrorCode)
-                                          15    reserved
+                                          15    swap_bytes_total
+                                          16    swap_bytes_pinned
+                                          17-31 reserved
 
 Writers and readers of every field are in :data:`HEADER_FIELDS` and
 :data:`RANK_FIELDS` (and in ``docs/signals.md``).
@@ -67,10 +69,11 @@ from kvswap.client.naming import Names
 
 MAGIC = int.from_bytes(b"KVSWAPSG", "little")
 LAYOUT_VERSION = 1
-SLOTS = 16
-BLOCK_BYTES = SLOTS * 8
+HEADER_SLOTS = 16
+RANK_SLOTS = 32
+RANK_BYTES = RANK_SLOTS * 8
 HEADER_OFFSET = 0
-RANKS_OFFSET = BLOCK_BYTES
+RANKS_OFFSET = HEADER_SLOTS * 8
 SHM_MODE = 0o600
 
 
@@ -141,6 +144,9 @@ RANK_FIELDS: tuple[Slot, ...] = (
     Slot("barrier_arrivals", 13, "the rank's barrier caller", "barrier", "barriers entered"),
     Slot("last_error", 14, "daemon (any thread, via state machine)", "launcher, status",
          "ErrorCode of the last failure"),
+    Slot("swap_bytes_total", 15, "daemon executor", "status", "size of the host swap pool"),
+    Slot("swap_bytes_pinned", 16, "daemon executor", "status",
+         "bytes of the pool registered with the GPU so far (cuda backend; host: = total)"),
 )
 
 
@@ -174,10 +180,12 @@ class R(enum.IntEnum):
     NUM_HOST_BLOCKS = 12
     BARRIER_ARRIVALS = 13
     LAST_ERROR = 14
+    SWAP_BYTES_TOTAL = 15
+    SWAP_BYTES_PINNED = 16
 
 
 def segment_size(tp_size: int) -> int:
-    return RANKS_OFFSET + tp_size * BLOCK_BYTES
+    return RANKS_OFFSET + tp_size * RANK_BYTES
 
 
 def now_ns() -> int:
@@ -195,9 +203,10 @@ class SignalSegment:
         self._buf = buf
         self.creator = creator
         self.readonly = readonly
-        self.header = np.ndarray((SLOTS,), dtype="<u8", buffer=buf, offset=HEADER_OFFSET)
+        self.header = np.ndarray((HEADER_SLOTS,), dtype="<u8", buffer=buf,
+                                 offset=HEADER_OFFSET)
         self.tp_size = int(self.header[H.TP_SIZE])
-        self.ranks = np.ndarray((self.tp_size, SLOTS), dtype="<u8", buffer=buf,
+        self.ranks = np.ndarray((self.tp_size, RANK_SLOTS), dtype="<u8", buffer=buf,
                                 offset=RANKS_OFFSET)
 
     # ------------------------------------------------------------------ open/close
@@ -216,7 +225,7 @@ class SignalSegment:
             buf = mmap.mmap(shm.fd, shm.size)
         finally:
             shm.close_fd()
-        header = np.ndarray((SLOTS,), dtype="<u8", buffer=buf)
+        header = np.ndarray((HEADER_SLOTS,), dtype="<u8", buffer=buf)
         header[H.TP_SIZE] = tp_size
         header[H.LAYOUT_VERSION] = LAYOUT_VERSION
         header[H.CREATED_UNIX_NS] = time.time_ns()
@@ -244,7 +253,7 @@ class SignalSegment:
             buf = mmap.mmap(shm.fd, size, prot=prot)
         finally:
             shm.close_fd()
-        header = np.ndarray((SLOTS,), dtype="<u8", buffer=buf)
+        header = np.ndarray((HEADER_SLOTS,), dtype="<u8", buffer=buf)
         magic, version, tp = int(header[H.MAGIC]), int(header[H.LAYOUT_VERSION]), int(
             header[H.TP_SIZE])
         del header
@@ -334,7 +343,7 @@ class SignalSegment:
 
 
 class RankSignals:
-    """The 16 slots of one rank, indexed by :class:`R`."""
+    """The slots of one rank, indexed by :class:`R`."""
 
     __slots__ = ("rank", "slots")
 

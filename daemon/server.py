@@ -194,7 +194,8 @@ class Daemon:
         sig[R.STATE] = RankState.ABSENT
         sig[R.PID] = os.getpid()
         sig.add(R.EPOCH, 1)
-        for f in (R.CACHE_READY, R.SWAP_READY, R.INFLIGHT, R.LAST_ERROR):
+        for f in (R.CACHE_READY, R.SWAP_READY, R.INFLIGHT, R.LAST_ERROR, R.SWAP_BYTES_TOTAL,
+                  R.SWAP_BYTES_PINNED):
             sig[f] = 0
         sig[R.HEARTBEAT_NS] = now_ns()
 
@@ -433,6 +434,8 @@ class Daemon:
         self._num_host_blocks = swap.num_host_blocks
         self.sig[R.NUM_DEVICE_BLOCKS] = self._num_device_blocks
         self.sig[R.NUM_HOST_BLOCKS] = self._num_host_blocks
+        self.sig[R.SWAP_BYTES_TOTAL] = swap.nbytes
+        self.sig[R.SWAP_BYTES_PINNED] = swap.nbytes
         self.sig[R.CACHE_READY] = 1
         self.sig[R.SWAP_READY] = 1
         log.info("attached %d tensors (%d device blocks, %.1f MiB host swap%s)", len(tensors),

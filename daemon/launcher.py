@@ -241,8 +241,11 @@ class Launcher:
         return [r for r, p in enumerate(self.procs) if p.poll() is None]
 
     def stop(self) -> None:
-        """Staged stop of every daemon, then remove the namespace.  Idempotent."""
-        if self._stopped:
+        """Staged stop of every daemon, then remove the namespace.  Idempotent.
+
+        Does nothing if :meth:`start` did not create the namespace (e.g. it was
+        refused because another launcher owns it): only the creator tears down."""
+        if self._stopped or self.seg is None:
             return
         self._stopped = True
         t0 = time.monotonic()
@@ -264,11 +267,10 @@ class Launcher:
         for r, p in enumerate(self.procs):
             if p.returncode not in (0, None):
                 log.warning("rank %d exited with status %s", r, p.returncode)
-        if self.seg is not None:
-            self.seg.close()
-            self.seg.unlink()
-            self.seg = None
-            unlink_wake_semaphores(self.names, self.cfg.tp)
+        self.seg.close()
+        self.seg.unlink()
+        self.seg = None
+        unlink_wake_semaphores(self.names, self.cfg.tp)
         removed = sweep_namespace(self.names)
         if removed:
             log.info("removed leftovers: %s", ", ".join(removed))

@@ -1,0 +1,214 @@
+"""Signal segment and barrier across real processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from kvswap.client.errors import BarrierAborted, BarrierTimeout, NamespaceError
+from kvswap.client.naming import Names
+from kvswap.client.shm_region import ShmRegion
+from kvswap.client.signals import (
+    H,
+    R,
+    Barrier,
+    RankState,
+    SignalSegment,
+    create_wake_semaphores,
+    now_ns,
+    poll_until,
+    unlink_wake_semaphores,
+)
+
+ctx = mp.get_context("fork")
+
+
+@pytest.fixture
+def segment(namespaces):
+    """A tp=3 namespace's signal segment and semaphores, removed afterwards."""
+    names = namespaces.new()
+    seg = SignalSegment.create(names, 3)
+    create_wake_semaphores(names, 3)
+    yield seg
+    seg.close()
+    seg.unlink()
+    unlink_wake_semaphores(names, 3)
+
+
+def _child_writes(names: Names, out) -> None:
+    seg = SignalSegment.attach(names)
+    r1 = seg.rank(1)
+    out.put(int(seg.ranks[0, R.COMPLETED]))  # what the parent wrote
+    r1[R.STATE] = RankState.READY
+    r1[R.COMPLETED] = 7
+    r1.add(R.BYTES_LOADED, 4096)
+    seg.header[H.ENGINE_HEARTBEAT_NS] = 123
+    seg.close()
+
+
+def test_writes_are_visible_across_processes(segment):
+    segment.rank(0)[R.COMPLETED] = 11
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_writes, args=(segment.names, q))
+    p.start()
+    p.join(20)
+    assert p.exitcode == 0
+    assert q.get(timeout=5) == 11
+    assert segment.state_of(1) == RankState.READY
+    snap = segment.snapshot()
+    assert snap["ranks"][1]["completed"] == 7 and snap["ranks"][1]["bytes_loaded"] == 4096
+    assert snap["ranks"][1]["state"] == "READY"
+    assert int(segment.header[H.ENGINE_HEARTBEAT_NS]) == 123
+    assert snap["tp_size"] == 3 and snap["namespace"] == segment.names.namespace
+
+
+def test_readonly_attach_cannot_write_nor_unlink(segment):
+    ro = SignalSegment.attach(segment.names, readonly=True)
+    try:
+        with pytest.raises(ValueError):
+            ro.ranks[0, R.COMPLETED] = 1
+        with pytest.raises(NamespaceError):
+            ro.unlink()
+    finally:
+        ro.close()
+    assert int(segment.ranks[0, R.COMPLETED]) == 0
+
+
+def test_attach_errors_are_clear(namespaces, segment):
+    missing = namespaces.new()
+    with pytest.raises(NamespaceError, match="kvswap launch"):
+        SignalSegment.attach(missing)
+    with pytest.raises(NamespaceError, match="in use"):
+        SignalSegment.create(segment.names, 2)
+    bogus = namespaces.new()
+    region = ShmRegion.create(bogus.signals, 4096)
+    try:
+        with pytest.raises(NamespaceError, match="magic"):
+            SignalSegment.attach(bogus)
+    finally:
+        region.unlink()
+        region.close()
+
+
+def _child_barrier(names: Names, rank: int, rounds: int, out) -> None:
+    seg = SignalSegment.attach(names)
+    b = Barrier(seg, rank)
+    for _ in range(rounds):
+        out.put((rank, b.wait(timeout=20)))
+    b.close()
+    seg.close()
+
+
+def test_barrier_with_three_processes_is_reusable(segment):
+    q = ctx.Queue()
+    early = [ctx.Process(target=_child_barrier, args=(segment.names, r, 2, q)) for r in (0, 1)]
+    for p in early:
+        p.start()
+    try:
+        arrived = poll_until(
+            lambda: True if all(segment.ranks[r, R.BARRIER_ARRIVALS] == 1 for r in (0, 1))
+            else None, time.monotonic() + 20)
+        assert arrived
+        # Ranks 0 and 1 have arrived but rank 2 has not: neither may have passed.
+        assert q.empty()
+        late = ctx.Process(target=_child_barrier, args=(segment.names, 2, 2, q))
+        late.start()
+        procs = [*early, late]
+        for p in procs:
+            p.join(30)
+        assert [p.exitcode for p in procs] == [0, 0, 0]
+        results = sorted(q.get(timeout=5) for _ in range(6))
+        assert results == [(0, 1), (0, 2), (1, 1), (1, 2), (2, 1), (2, 2)]
+    finally:
+        for p in early:
+            if p.is_alive():
+                p.kill()
+
+
+def test_barrier_timeout_names_the_missing_rank_and_withdraws(segment):
+    seg = segment
+    seg.rank(1)[R.BARRIER_ARRIVALS] = 1  # rank 1 already arrived; rank 2 never will
+    b = Barrier(seg, 0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BarrierTimeout) as ei:
+            b.wait(timeout=0.3)
+        assert time.monotonic() - t0 < 5
+    finally:
+        b.close()
+    msg = str(ei.value)
+    assert "rank 2" in msg and "rank 1 " not in msg
+    assert int(seg.ranks[0, R.BARRIER_ARRIVALS]) == 0  # withdrawn
+
+
+def test_barrier_aborts_when_a_participant_failed(segment):
+    seg = segment
+    seg.rank(2)[R.STATE] = RankState.FAILED
+    b = Barrier(seg, 0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BarrierAborted, match="rank 2 is FAILED"):
+            b.wait(timeout=30)
+        assert time.monotonic() - t0 < 5
+    finally:
+        b.close()
+
+
+def test_barrier_aborts_on_stale_heartbeat(segment):
+    seg = segment
+    seg.rank(1)[R.HEARTBEAT_NS] = now_ns() - 10 * 10**9
+    b = Barrier(seg, 0, stale_after_s=1.0)
+    try:
+        with pytest.raises(BarrierAborted, match="rank 1 has not beaten"):
+            b.wait(timeout=30)
+    finally:
+        b.close()
+
+
+def test_barrier_cancel(segment):
+    b = Barrier(segment, 0)
+    try:
+        with pytest.raises(BarrierAborted, match="cancelled"):
+            b.wait(timeout=30, cancelled=lambda: True)
+    finally:
+        b.close()
+
+
+def test_teardown_leaves_nothing(namespaces):
+    names = namespaces.new()
+    seg = SignalSegment.create(names, 2)
+    create_wake_semaphores(names, 2)
+    assert len(names.owned_shm()) == 3  # segment + 2 semaphores
+    seg.close()
+    seg.unlink()
+    unlink_wake_semaphores(names, 2)
+    assert names.owned_shm() == []
+    with pytest.raises(posix_ipc.ExistentialError):
+        posix_ipc.Semaphore(names.wake_sem(0))
+
+
+def test_segment_mode_is_owner_only(segment):
+    import os
+    import stat
+    mode = os.stat(f"/dev/shm{segment.names.signals}").st_mode
+    assert stat.S_IMODE(mode) == 0o600
+
+
+def test_poll_until_returns_value_or_none():
+    box = iter([None, None, 5])
+    assert poll_until(lambda: next(box), time.monotonic() + 5) == 5
+    t0 = time.monotonic()
+    assert poll_until(lambda: None, time.monotonic() + 0.05) is None
+    assert time.monotonic() - t0 < 2
+
+
+def test_rank_views_are_u64_slots(segment):
+    r = segment.rank(2)
+    r[R.BYTES_EVICTED] = 2**40
+    r.add(R.BYTES_EVICTED, -1)
+    assert r[R.BYTES_EVICTED] == 2**40 - 1
+    assert segment.ranks.dtype == np.dtype("<u8")

@@ -19,11 +19,11 @@ from kvswap.client.errors import (
 )
 from kvswap.client.protocol import PROTOCOL_VERSION
 from kvswap.client.signals import RankState
-from kvswap.client.transfer_client import TaskResult, TransferClient, TransferFuture
+from kvswap.client.transfer_client import TaskResult, TransferClient, TransferFuture, TransferSpec
 
 __all__ = [
     "BarrierAborted", "BarrierTimeout", "CacheTensor", "CacheWorker", "ErrorCode",
     "InvalidTask", "KvswapError", "NamespaceError", "NotReady", "PROTOCOL_VERSION",
     "ProtocolError", "RankFailure", "RankState", "RankTimeout", "TaskResult",
-    "TransferClient", "TransferFailed", "TransferFuture",
+    "TransferClient", "TransferFailed", "TransferFuture", "TransferSpec",
 ]

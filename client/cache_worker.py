@@ -21,6 +21,7 @@ import numpy as np
 import zmq
 
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, RankTimeout, error_for_code
+from kvswap.client.layer_progress import LayerProgress
 from kvswap.client.layout import TensorDesc, validate_layout
 from kvswap.client.naming import Names, check_tensor_name
 from kvswap.client.protocol import Op, Reply, decode_reply, encode_request
@@ -58,6 +59,8 @@ class CacheWorker:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.names.endpoint(rank))
         self._closed = False
+        self._layers: list[int] = []  # sorted distinct layers of the registered tensors
+        self._progress = LayerProgress(self.seg, rank)
         self._hb_interval = heartbeat_interval_s
         self._hb_stop = threading.Event()
         self._hb = threading.Thread(target=self._heartbeat, name="kvswap-engine-heartbeat",
@@ -88,9 +91,13 @@ class CacheWorker:
 
     def _describe(self, t: CacheTensor) -> TensorDesc:
         arr = t.array
-        if self.backend != "host":
-            raise InvalidTask("the cuda backend is not available in this build",
-                              ErrorCode.BAD_LAYOUT)
+        if self.backend == "cuda":
+            # Imported here: it loads the CUDA driver only when a cuda worker registers.
+            from kvswap.client.cuda_export import export_tensor
+
+            exported = export_tensor(arr, t.name)
+            return TensorDesc(t.name, int(t.layer), exported.dtype, exported.shape,
+                              exported.location.to_wire())
         if not isinstance(arr, np.ndarray):
             raise InvalidTask(f"tensor {t.name}: host backend expects the numpy array returned "
                               f"by alloc_host_tensor, got {type(arr).__name__}",
@@ -119,7 +126,24 @@ class CacheWorker:
         descs = [self._describe(t) for t in tensors]
         validate_layout(descs)
         fields = {"backend": self.backend, "tensors": [d.to_wire() for d in descs]}
-        return self._request(Op.REGISTER, fields, timeout)
+        reply = self._request(Op.REGISTER, fields, timeout)
+        self._layers = sorted({d.layer for d in descs})
+        return reply
+
+    # ------------------------------------------------------------------ layer-wise loads
+    def wait_layer(self, task_id: int, layer: int, timeout: float = 10.0) -> None:
+        """Block until this rank's copy of ``layer`` for the layer-wise load
+        ``task_id`` (``TransferFuture.task_id``) is complete and visible.
+
+        Sleeps on the rank's layer semaphore (no busy wait); raises
+        :class:`RankTimeout` naming the rank, task and layer, or
+        :class:`TransferFailed` if the load failed on this rank."""
+        try:
+            index = self._layers.index(layer)
+        except ValueError:
+            raise ValueError(f"layer {layer} is not a layer of the registered tensors "
+                             f"{self._layers}") from None
+        self._progress.wait(task_id, index, timeout)
 
     def _request(self, op: Op, fields: dict, timeout: float) -> Reply:
         with self._lock:
@@ -160,6 +184,7 @@ class CacheWorker:
             region.unlink()
             region.close()
         self._regions.clear()
+        self._progress.close()
         self.seg.close()
 
     def __enter__(self) -> "CacheWorker":

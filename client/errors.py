@@ -20,6 +20,7 @@ import enum
 from dataclasses import dataclass
 
 
+@enum.unique
 class ErrorCode(enum.IntEnum):
     OK = 0
 
@@ -42,6 +43,7 @@ class ErrorCode(enum.IntEnum):
     ALREADY_REGISTERED = 302
 
     TRANSFER_FAILED = 400  # copy raised on the daemon
+    CANCELLED = 401  # cancelled before it started (nothing was copied)
 
     RANK_TIMEOUT = 500  # a rank did not answer in time
     BARRIER_TIMEOUT = 501

@@ -76,6 +76,10 @@ class Names:
     def wake_sem(self, rank: int) -> str:
         return f"/{self.prefix}wake.r{rank}"
 
+    def layer_sem(self, rank: int) -> str:
+        """Posted by the rank's daemon after each layer of a layer-wise load."""
+        return f"/{self.prefix}layer.r{rank}"
+
     def swap_segment(self, rank: int) -> str:
         return f"/{self.prefix}swap.r{rank}"
 

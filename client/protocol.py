@@ -31,7 +31,7 @@ import numpy as np
 
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, ProtocolError
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 0)
+PROTOCOL_VERSION: tuple[int, int] = (1, 1)
 
 # id frame dtypes accepted on the wire (little-endian only, so frames mean the
 # same on every host).
@@ -43,6 +43,8 @@ class Op(str, enum.Enum):
     REGISTER = "register"
     EVICT = "evict"
     LOAD = "load"
+    BATCH = "batch"
+    CANCEL = "cancel"
     PING = "ping"
     STATS = "stats"
     SHUTDOWN = "shutdown"
@@ -52,18 +54,22 @@ class HandlerKind(enum.Enum):
     """Where the daemon runs an op's handler."""
 
     INLINE = "inline"  # the I/O thread answers at once (cheap, read-only or control)
-    SERIAL = "serial"  # queued to the executor, run in submission order
+    SERIAL = "serial"  # queued to the control thread, run in arrival order
+    TRANSFER = "transfer"  # validated by the I/O thread, run by the hazard-ordered scheduler
 
 
 @dataclass(frozen=True)
 class OpSpec:
     op: Op
     fields: Mapping[str, type | tuple[type, ...]]  # required header fields and their types
-    id_frames: int  # raw id frames following the header
+    id_frames: int | None  # raw id frames after the header (None: the handler checks)
     kind: HandlerKind
     reply: tuple[str, ...]  # reply fields beyond the common ones
     doc: str
+    optional: Mapping[str, type | tuple[type, ...]] = field(default_factory=dict)
 
+
+_TRANSFER_OPTIONAL = {"priority": int, "layerwise": bool}
 
 OPS: dict[Op, OpSpec] = {
     spec.op: spec
@@ -71,20 +77,24 @@ OPS: dict[Op, OpSpec] = {
         OpSpec(Op.REGISTER, {"backend": str, "tensors": list}, 0, HandlerKind.SERIAL,
                ("num_device_blocks", "num_host_blocks"),
                "attach the rank's cache tensors and create its host swap space"),
-        OpSpec(Op.EVICT, {"ids": str, "n": int}, 2, HandlerKind.SERIAL, ("bytes",),
-               "copy device blocks -> host blocks for every tensor"),
-        OpSpec(Op.LOAD, {"ids": str, "n": int}, 2, HandlerKind.SERIAL, ("bytes",),
-               "copy host blocks -> device blocks for every tensor"),
+        OpSpec(Op.EVICT, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, ("bytes",),
+               "copy device blocks -> host blocks for every tensor", _TRANSFER_OPTIONAL),
+        OpSpec(Op.LOAD, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, ("bytes",),
+               "copy host blocks -> device blocks for every tensor; layerwise=true copies "
+               "layer by layer and publishes per-layer progress", _TRANSFER_OPTIONAL),
+        OpSpec(Op.BATCH, {"ids": str, "tasks": list}, None, HandlerKind.INLINE, ("accepted",),
+               "many evict/load tasks in one message: two id frames per task, each task "
+               "answered under its own id"),
+        OpSpec(Op.CANCEL, {"target": int}, 0, HandlerKind.INLINE, ("cancelled",),
+               "cancel a task of this connection that has not started"),
         OpSpec(Op.PING, {}, 0, HandlerKind.INLINE, ("state", "epoch", "pid"),
                "liveness and state"),
         OpSpec(Op.STATS, {}, 0, HandlerKind.INLINE, ("counters",),
                "the rank's counters"),
         OpSpec(Op.SHUTDOWN, {}, 0, HandlerKind.INLINE, (),
-               "stop accepting, fail queued tasks, finish the running one, exit"),
+               "stop accepting, fail queued tasks, finish running ones, exit"),
     )
 }
-
-TRANSFER_OPS = frozenset({Op.EVICT, Op.LOAD})
 
 def packb(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
@@ -165,24 +175,31 @@ def decode_request(frames: Sequence[Any], max_header_bytes: int = 1 << 20) -> Re
     except ValueError:
         raise RequestError(ErrorCode.UNKNOWN_OP, f"unknown op {op_name!r}", req_id) from None
     spec = OPS[op]
-    for name, t in spec.fields.items():
-        if name not in header:
-            raise RequestError(ErrorCode.BAD_FIELD, f"{op.value}: missing field {name!r}", req_id)
-        if not _is_type(header[name], t):
-            raise RequestError(
-                ErrorCode.BAD_FIELD,
-                f"{op.value}: field {name!r} must be {_type_name(t)}, "
-                f"got {type(header[name]).__name__}",
-                req_id,
-            )
+    check_fields(header, spec, req_id)
     extra = len(frames) - 1
-    if extra != spec.id_frames:
+    if spec.id_frames is not None and extra != spec.id_frames:
         raise RequestError(
             ErrorCode.BAD_FRAMES,
             f"{op.value}: expected {spec.id_frames} id frame(s) after the header, got {extra}",
             req_id,
         )
     return Request(req_id, op, header, list(frames[1:]))
+
+
+def check_fields(fields: Mapping[str, Any], spec: OpSpec, req_id: int | None) -> None:
+    """Required fields present with their types; optional ones typed when present."""
+    for name, t in spec.fields.items():
+        if name not in fields:
+            raise RequestError(ErrorCode.BAD_FIELD, f"{spec.op.value}: missing field {name!r}",
+                               req_id)
+    for name, t in (*spec.fields.items(), *spec.optional.items()):
+        if name in fields and not _is_type(fields[name], t):
+            raise RequestError(
+                ErrorCode.BAD_FIELD,
+                f"{spec.op.value}: field {name!r} must be {_type_name(t)}, "
+                f"got {type(fields[name]).__name__}",
+                req_id,
+            )
 
 
 def encode_request(op: Op, req_id: int, fields: Mapping[str, Any] | None = None,
@@ -243,16 +260,21 @@ def decode_id_frame(buf: Any, dtype_name: str, what: str) -> np.ndarray:
 
 def decode_transfer(req: "Request") -> tuple[np.ndarray, np.ndarray]:
     """The (device ids, host ids) of a transfer request, as zero-copy views."""
-    hdr = req.header
-    dev = decode_id_frame(req.frames[0], hdr["ids"], "device ids")
-    host = decode_id_frame(req.frames[1], hdr["ids"], "host ids")
+    return decode_id_pair(req.op, req.header["ids"], req.header["n"], req.frames[0],
+                          req.frames[1])
+
+
+def decode_id_pair(op: Op, dtype_name: str, n: int, dev_frame: Any,
+                   host_frame: Any) -> tuple[np.ndarray, np.ndarray]:
+    dev = decode_id_frame(dev_frame, dtype_name, "device ids")
+    host = decode_id_frame(host_frame, dtype_name, "host ids")
     if dev.shape[0] != host.shape[0]:
         raise InvalidTask(
-            f"{req.op.value}: {dev.shape[0]} device ids but {host.shape[0]} host ids",
+            f"{op.value}: {dev.shape[0]} device ids but {host.shape[0]} host ids",
             ErrorCode.LENGTH_MISMATCH,
         )
-    if hdr["n"] != dev.shape[0]:
-        raise InvalidTask(f"{req.op.value}: header says n={hdr['n']} but the frames hold "
+    if n != dev.shape[0]:
+        raise InvalidTask(f"{op.value}: header says n={n} but the frames hold "
                           f"{dev.shape[0]} ids", ErrorCode.BAD_FIELD)
     return dev, host
 
@@ -293,12 +315,91 @@ def validate_transfer(op: Op, device_ids: np.ndarray, host_ids: np.ndarray,
             )
 
 
-def encode_transfer(op: Op, req_id: int, device_ids: np.ndarray, host_ids: np.ndarray) -> list:
+def _wire_dtype(arrays: Sequence[np.ndarray]) -> str:
+    return "<i8" if any(a.dtype.str == "<i8" for a in arrays) else "<i4"
+
+
+def _transfer_fields(priority: int, layerwise: bool) -> dict:
+    """Optional transfer fields, sent only when not default (keeps the header small)."""
+    out: dict = {}
+    if priority:
+        out["priority"] = int(priority)
+    if layerwise:
+        out["layerwise"] = True
+    return out
+
+
+def encode_transfer(op: Op, req_id: int, device_ids: np.ndarray, host_ids: np.ndarray,
+                    priority: int = 0, layerwise: bool = False) -> list:
     """Frames of a transfer request; both id arrays share one dtype."""
-    dtype = "<i8" if "<i8" in (device_ids.dtype.str, host_ids.dtype.str) else "<i4"
-    dev = device_ids if device_ids.dtype.str == dtype else device_ids.astype(dtype)
-    host = host_ids if host_ids.dtype.str == dtype else host_ids.astype(dtype)
-    return encode_request(op, req_id, {"ids": dtype, "n": int(dev.shape[0])}, (dev, host))
+    dtype = _wire_dtype((device_ids, host_ids))
+    fields = {"ids": dtype, "n": int(device_ids.shape[0]), **_transfer_fields(priority, layerwise)}
+    return encode_request(op, req_id, fields,
+                          (device_ids.astype(dtype, copy=False), host_ids.astype(dtype, copy=False)))
+
+
+_BATCH_TASK_FIELDS = {"id": int, "op": str, "n": int}
+
+
+@dataclass(frozen=True)
+class BatchTask:
+    """One task of a received ``batch``, shape-checked; its ids are decoded later."""
+
+    id: int
+    op: Op
+    fields: dict
+    device_frame: Any
+    host_frame: Any
+
+
+def decode_batch(req: Request) -> list[BatchTask]:
+    """Check a batch's task list and frame count; raise :class:`RequestError` (the
+    whole batch is refused) if a task map is malformed."""
+    items = req.header["tasks"]
+    if len(req.frames) != 2 * len(items):
+        raise RequestError(ErrorCode.BAD_FRAMES, f"batch of {len(items)} tasks needs "
+                           f"{2 * len(items)} id frames, got {len(req.frames)}", req.id)
+    out = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise RequestError(ErrorCode.BAD_FIELD, f"batch task {i} is not a map", req.id)
+        for name, t in _BATCH_TASK_FIELDS.items():
+            if not _is_type(item.get(name), t):
+                raise RequestError(ErrorCode.BAD_FIELD,
+                                   f"batch task {i}: field {name!r} missing or not "
+                                   f"{t.__name__}", req.id)
+        if item["op"] not in (Op.EVICT.value, Op.LOAD.value):
+            raise RequestError(ErrorCode.BAD_FIELD,
+                               f"batch task {i}: op must be evict or load", req.id)
+        op = Op(item["op"])
+        for name, t in OPS[op].optional.items():
+            if name in item and not _is_type(item[name], t):
+                raise RequestError(ErrorCode.BAD_FIELD,
+                                   f"batch task {i}: field {name!r} must be {t.__name__}", req.id)
+        out.append(BatchTask(item["id"], op, item, req.frames[2 * i], req.frames[2 * i + 1]))
+    return out
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One task of a ``batch`` message (ids already checked by :func:`as_block_ids`)."""
+
+    id: int
+    op: Op
+    device_ids: np.ndarray
+    host_ids: np.ndarray
+    priority: int = 0
+    layerwise: bool = False
+
+
+def encode_batch(req_id: int, items: Sequence[BatchItem]) -> list:
+    dtype = _wire_dtype([a for it in items for a in (it.device_ids, it.host_ids)])
+    tasks, frames = [], []
+    for it in items:
+        tasks.append({"id": it.id, "op": it.op.value, "n": int(it.device_ids.shape[0]),
+                      **_transfer_fields(it.priority, it.layerwise)})
+        frames += [it.device_ids.astype(dtype, copy=False), it.host_ids.astype(dtype, copy=False)]
+    return encode_request(Op.BATCH, req_id, {"ids": dtype, "tasks": tasks}, frames)
 
 
 # --------------------------------------------------------------------------- replies

@@ -9,10 +9,12 @@ lock is needed.  Observing the segment never blocks a daemon.
 
 ::
 
-    offset 0                      128                 128 + 256*r           128 + 256*tp
-    +-----------------------------+-------------------+-----+--------------------+
-    | namespace header (16 x u64) | rank 0 (32 x u64) | ... | rank tp-1          |
-    +-----------------------------+-------------------+-----+--------------------+
+    offset 0                      128                 128 + 256*r     128 + 256*tp
+    +-----------------------------+-------------------+-----+------------+------------------+
+    | namespace header (16 x u64) | rank 0 (32 x u64) | ... | rank tp-1  | layer tables     |
+    +-----------------------------+-------------------+-----+------------+------------------+
+    layer tables: per rank, 64 entries x 8 u64 (4 KiB):
+        task_id | generation | layers_done | num_layers | state (LayerState) | 3 reserved
 
     namespace header                      rank block
     slot  field                           slot  field
@@ -68,15 +70,19 @@ from kvswap.client.errors import (
 from kvswap.client.naming import Names
 
 MAGIC = int.from_bytes(b"KVSWAPSG", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 HEADER_SLOTS = 16
 RANK_SLOTS = 32
 RANK_BYTES = RANK_SLOTS * 8
 HEADER_OFFSET = 0
 RANKS_OFFSET = HEADER_SLOTS * 8
+LAYER_SLOTS = 64  # layer-progress entries per rank (a ring)
+LAYER_ENTRY_SLOTS = 8
+LAYER_TABLE_BYTES = LAYER_SLOTS * LAYER_ENTRY_SLOTS * 8
 SHM_MODE = 0o600
 
 
+@enum.unique
 class RankState(enum.IntEnum):
     """Life cycle of one rank daemon, as published in its ``state`` slot.
 
@@ -97,6 +103,7 @@ class RankState(enum.IntEnum):
     FAILED = 9  # unrecoverable error; see last_error and the rank's log
 
 
+@enum.unique
 class KvCacheStatus(enum.IntEnum):
     """Namespace-wide state of the engine's KV caches (weight-update flow)."""
 
@@ -150,6 +157,7 @@ RANK_FIELDS: tuple[Slot, ...] = (
 )
 
 
+@enum.unique
 class H(enum.IntEnum):
     """Slot index of each namespace header field."""
 
@@ -162,6 +170,7 @@ class H(enum.IntEnum):
     KVCACHE_STATUS = 6
 
 
+@enum.unique
 class R(enum.IntEnum):
     """Slot index of each rank field."""
 
@@ -184,8 +193,31 @@ class R(enum.IntEnum):
     SWAP_BYTES_PINNED = 16
 
 
-def segment_size(tp_size: int) -> int:
+def layers_offset(tp_size: int) -> int:
     return RANKS_OFFSET + tp_size * RANK_BYTES
+
+
+def segment_size(tp_size: int) -> int:
+    return layers_offset(tp_size) + tp_size * LAYER_TABLE_BYTES
+
+
+@enum.unique
+class L(enum.IntEnum):
+    """Slot index inside one layer-progress entry."""
+
+    TASK_ID = 0  # written last when an entry is claimed
+    GENERATION = 1  # bumped when the entry is (re)claimed
+    LAYERS_DONE = 2
+    NUM_LAYERS = 3
+    STATE = 4  # LayerState
+
+
+@enum.unique
+class LayerState(enum.IntEnum):
+    FREE = 0
+    RUNNING = 1
+    DONE = 2
+    FAILED = 3
 
 
 def now_ns() -> int:
@@ -208,6 +240,8 @@ class SignalSegment:
         self.tp_size = int(self.header[H.TP_SIZE])
         self.ranks = np.ndarray((self.tp_size, RANK_SLOTS), dtype="<u8", buffer=buf,
                                 offset=RANKS_OFFSET)
+        self.layers = np.ndarray((self.tp_size, LAYER_SLOTS, LAYER_ENTRY_SLOTS), dtype="<u8",
+                                 buffer=buf, offset=layers_offset(self.tp_size))
 
     # ------------------------------------------------------------------ open/close
     @classmethod
@@ -223,6 +257,9 @@ class SignalSegment:
             ) from None
         try:
             buf = mmap.mmap(shm.fd, shm.size)
+        except BaseException:
+            posix_ipc.unlink_shared_memory(names.signals)
+            raise
         finally:
             shm.close_fd()
         header = np.ndarray((HEADER_SLOTS,), dtype="<u8", buffer=buf)
@@ -274,7 +311,7 @@ class SignalSegment:
         if self._buf is None:
             return
         # Views must be dropped before the mmap can close.
-        del self.header, self.ranks
+        del self.header, self.ranks, self.layers
         try:
             self._buf.close()
         except BufferError:
@@ -386,21 +423,24 @@ def poll_until(check: Callable[[], T | None], deadline: float,
 # ---------------------------------------------------------------------- semaphores
 
 
-def create_wake_semaphores(names: Names, tp_size: int) -> None:
-    for r in range(tp_size):
+def _semaphore_names(names: Names, tp_size: int) -> list[str]:
+    return [n for r in range(tp_size) for n in (names.wake_sem(r), names.layer_sem(r))]
+
+
+def create_semaphores(names: Names, tp_size: int) -> None:
+    """Create every semaphore of a namespace (creator: the launcher), mode 0600."""
+    for name in _semaphore_names(names, tp_size):
         try:
-            posix_ipc.Semaphore(names.wake_sem(r), posix_ipc.O_CREX, mode=SHM_MODE,
-                                initial_value=0).close()
+            posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=SHM_MODE, initial_value=0).close()
         except posix_ipc.ExistentialError:
             raise NamespaceError(
-                f"namespace {names.namespace!r} is in use: {names.wake_sem(r)} already exists"
-            ) from None
+                f"namespace {names.namespace!r} is in use: {name} already exists") from None
 
 
-def unlink_wake_semaphores(names: Names, tp_size: int) -> None:
-    for r in range(tp_size):
+def unlink_semaphores(names: Names, tp_size: int) -> None:
+    for name in _semaphore_names(names, tp_size):
         try:
-            posix_ipc.unlink_semaphore(names.wake_sem(r))
+            posix_ipc.unlink_semaphore(name)
         except posix_ipc.ExistentialError:
             pass
 

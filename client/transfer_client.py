@@ -15,6 +15,7 @@ import collections
 import heapq
 import itertools
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import zmq
 
 from kvswap.client.errors import (
     ErrorCode,
+    InvalidTask,
     KvswapError,
     NamespaceError,
     NotReady,
@@ -34,10 +36,12 @@ from kvswap.client.errors import (
 )
 from kvswap.client.naming import Names
 from kvswap.client.protocol import (
+    BatchItem,
     Op,
     Reply,
     as_block_ids,
     decode_reply,
+    encode_batch,
     encode_request,
     encode_transfer,
     validate_transfer,
@@ -45,6 +49,26 @@ from kvswap.client.protocol import (
 from kvswap.client.signals import R, RankState, SignalSegment, wait_ranks
 
 log = logging.getLogger("kvswap.client")
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    """One evict or load, for :meth:`TransferClient.submit_batch`."""
+
+    op: Op
+    device_blocks: Any
+    host_blocks: Any
+    priority: int = 0
+    layerwise: bool = False
+
+    @classmethod
+    def evict(cls, device_blocks: Any, host_blocks: Any, priority: int = 0) -> "TransferSpec":
+        return cls(Op.EVICT, device_blocks, host_blocks, priority)
+
+    @classmethod
+    def load(cls, host_blocks: Any, device_blocks: Any, priority: int = 0,
+             layerwise: bool = False) -> "TransferSpec":
+        return cls(Op.LOAD, device_blocks, host_blocks, priority, layerwise)
 
 
 @dataclass(frozen=True)
@@ -63,8 +87,10 @@ class TaskResult:
 class TransferFuture:
     """Completes when every rank of the task has answered (or at its deadline)."""
 
-    def __init__(self, task_id: int, op: Op, ranks: Sequence[int], deadline: float):
+    def __init__(self, task_id: int, op: Op, ranks: Sequence[int], deadline: float,
+                 client: "TransferClient | None" = None):
         self.task_id = task_id
+        self._client = client
         self.op = op
         self.ranks = tuple(ranks)
         self.deadline = deadline
@@ -115,6 +141,26 @@ class TransferFuture:
     def done(self) -> bool:
         return self._event.is_set()
 
+    def cancel(self) -> "TransferFuture":
+        """Ask every rank to drop this task if it has not started there.
+
+        Returns the future of the ``cancel`` request (each rank's reply says
+        ``cancelled`` true or false).  This future then completes with
+        :class:`TransferFailed` code CANCELLED on the ranks that dropped it; a rank
+        where the task had already started completes it normally (never
+        half-applied on a rank).  Check :meth:`cancelled` and
+        ``TransferFailed.failures`` to see which ranks applied it.
+        """
+        if self._client is None:
+            raise KvswapError(f"task {self.task_id} cannot be cancelled", ErrorCode.INVALID_TASK)
+        return self._client._cancel(self)
+
+    def cancelled(self) -> bool:
+        """True once every rank dropped the task before starting it."""
+        return (self.done() and isinstance(self._error, TransferFailed)
+                and all(f.code == ErrorCode.CANCELLED for f in self._error.failures)
+                and len(self._error.failures) == len(self.ranks))
+
     def add_done_callback(self, fn: Callable[["TransferFuture"], None]) -> None:
         with self._lock:
             if not self._event.is_set():
@@ -163,10 +209,13 @@ class TransferClient:
             tp = self.seg.tp_size
             self.seg.close()
             raise NamespaceError(f"namespace {namespace!r} has tp_size {tp}, client asked {tp_size}")
-        self._ids = itertools.count(1)
+        # Task ids are unique across clients (they key the layer-progress table):
+        # a random 31-bit prefix, then a counter.
+        self._ids = itertools.count((secrets.randbits(31) << 32) + 1)
         self._pending: dict[int, TransferFuture] = {}
         self._deadlines: list[tuple[float, int]] = []  # heap, I/O thread only
-        self._outbox: collections.deque[tuple[TransferFuture, list]] = collections.deque()
+        self._outbox: collections.deque[
+            tuple[TransferFuture, list, Sequence[TransferFuture]]] = collections.deque()
         self._closed = False
         self._ctx = zmq.Context(1)
         addr = f"inproc://kvswap-client-wake-{id(self)}"
@@ -217,42 +266,132 @@ class TransferClient:
         return (dev, host) if dev and host else None
 
     # ------------------------------------------------------------------ submission
-    def evict(self, device_blocks: Any, host_blocks: Any) -> TransferFuture:
+    def evict(self, device_blocks: Any, host_blocks: Any, *, priority: int = 0) -> TransferFuture:
         """Copy device blocks to host blocks (pairwise) for every tensor on every rank."""
-        return self._transfer(Op.EVICT, device_blocks, host_blocks)
+        return self._transfer(TransferSpec(Op.EVICT, device_blocks, host_blocks, priority))
 
-    def load(self, host_blocks: Any, device_blocks: Any) -> TransferFuture:
-        """Copy host blocks to device blocks (pairwise) for every tensor on every rank."""
-        return self._transfer(Op.LOAD, device_blocks, host_blocks)
+    def load(self, host_blocks: Any, device_blocks: Any, *, priority: int = 0,
+             layerwise: bool = False) -> TransferFuture:
+        """Copy host blocks to device blocks (pairwise) for every tensor on every rank.
+
+        ``layerwise=True``: each rank copies layer by layer and publishes progress,
+        so a TP worker can start on layer 0 with ``CacheWorker.wait_layer(
+        future.task_id, 0, timeout)`` before the last layer has arrived."""
+        return self._transfer(TransferSpec(Op.LOAD, device_blocks, host_blocks, priority,
+                                           layerwise))
+
+    def submit_batch(self, tasks: Sequence["TransferSpec"]) -> list[TransferFuture]:
+        """Submit many tasks in one message per rank; one future per task, in order.
+        Every task is validated before anything is sent."""
+        items = [self._check(t) for t in tasks]
+        if not items:
+            return []
+        futures = [self._new_future(t.op) for t in tasks]
+        batch = [BatchItem(f.task_id, t.op, dev, host, t.priority, t.layerwise)
+                 for f, t, (dev, host) in zip(futures, tasks, items)]
+        carrier = self._new_future(Op.BATCH)
+        carrier.add_done_callback(lambda c: self._fail_batch(c, futures))
+        self._enqueue(carrier, encode_batch(carrier.task_id, batch), extra=futures)
+        return futures
+
+    def submit_swap(self, evict: tuple[Any, Any], load: tuple[Any, Any],
+                    policy: str = "write_through") -> tuple[TransferFuture, TransferFuture]:
+        """An evict ``(device, host)`` and a load ``(host, device)`` under a write policy.
+
+        ``write_through``: both are submitted now; the daemons' hazard ordering
+        still runs them in order wherever their blocks overlap.
+        ``write_back``: the load is submitted only once the evict has completed on
+        every rank; if the evict fails the load is never sent and its future fails
+        with CANCELLED.
+        """
+        ev = TransferSpec(Op.EVICT, evict[0], evict[1])
+        ld = TransferSpec(Op.LOAD, load[1], load[0])
+        if policy == "write_through":
+            return self._transfer(ev), self._transfer(ld)
+        if policy != "write_back":
+            raise ValueError(f"policy must be write_through or write_back, got {policy!r}")
+        dev, host = self._check(ld)
+        ev_fut = self._transfer(ev)
+        ld_fut = self._new_future(Op.LOAD)
+
+        def after_evict(done: TransferFuture) -> None:
+            err = done._error
+            if err is None:
+                self._enqueue(ld_fut, encode_transfer(Op.LOAD, ld_fut.task_id, dev, host))
+                return
+            self._pending.pop(ld_fut.task_id, None)
+            ld_fut._finish(error=TransferFailed(ld_fut.task_id, "load", [
+                RankFailure(r, ErrorCode.CANCELLED,
+                            f"not submitted: write-back evict {done.task_id} failed ({err})")
+                for r in ld_fut.ranks]))
+
+        self._pending[ld_fut.task_id] = ld_fut
+        ev_fut.add_done_callback(after_evict)
+        return ev_fut, ld_fut
 
     def ping(self) -> TransferFuture:
-        return self._submit(Op.PING, lambda tid: encode_request(Op.PING, tid))
+        return self._control(Op.PING)
 
     def stats(self) -> TransferFuture:
-        return self._submit(Op.STATS, lambda tid: encode_request(Op.STATS, tid))
+        return self._control(Op.STATS)
 
     def shutdown(self) -> TransferFuture:
         """Ask every daemon to stop (normally the launcher's job)."""
-        return self._submit(Op.SHUTDOWN, lambda tid: encode_request(Op.SHUTDOWN, tid))
+        return self._control(Op.SHUTDOWN)
 
-    def _transfer(self, op: Op, device_blocks: Any, host_blocks: Any) -> TransferFuture:
-        dev = as_block_ids(device_blocks, "device_blocks")
-        host = as_block_ids(host_blocks, "host_blocks")
+    def _control(self, op: Op, fields: dict | None = None) -> TransferFuture:
+        fut = self._new_future(op)
+        self._enqueue(fut, encode_request(op, fut.task_id, fields))
+        return fut
+
+    def _cancel(self, target: TransferFuture) -> TransferFuture:
+        return self._control(Op.CANCEL, {"target": target.task_id})
+
+    def _check(self, spec: "TransferSpec") -> tuple[np.ndarray, np.ndarray]:
+        dev = as_block_ids(spec.device_blocks, "device_blocks")
+        host = as_block_ids(spec.host_blocks, "host_blocks")
         limits = self._block_limits()
         big = np.iinfo(np.int64).max
-        validate_transfer(op, dev, host, *(limits or (big, big)))
-        return self._submit(op, lambda tid: encode_transfer(op, tid, dev, host))
+        validate_transfer(spec.op, dev, host, *(limits or (big, big)))
+        if spec.layerwise and spec.op is not Op.LOAD:
+            raise InvalidTask("layerwise applies to load only", ErrorCode.BAD_FIELD)
+        return dev, host
 
-    def _submit(self, op: Op, encode: Callable[[int], list]) -> TransferFuture:
+    def _transfer(self, spec: "TransferSpec") -> TransferFuture:
+        dev, host = self._check(spec)
+        fut = self._new_future(spec.op)
+        self._enqueue(fut, encode_transfer(spec.op, fut.task_id, dev, host, spec.priority,
+                                           spec.layerwise))
+        return fut
+
+    def _new_future(self, op: Op) -> TransferFuture:
         if self._closed:
             raise KvswapError("TransferClient is closed", ErrorCode.SHUTTING_DOWN)
-        tid = next(self._ids)
-        fut = TransferFuture(tid, op, range(self.tp_size), time.monotonic() + self.task_timeout)
-        frames = encode(tid)
-        self._pending[tid] = fut
-        self._outbox.append((fut, frames))
+        return TransferFuture(next(self._ids), op, range(self.tp_size),
+                              time.monotonic() + self.task_timeout, self)
+
+    def _enqueue(self, fut: TransferFuture, frames: list,
+                 extra: Sequence[TransferFuture] = ()) -> None:
+        """Register ``fut`` (and the futures of a batch's tasks) and hand the frames
+        to the I/O thread, which sends them to every rank in enqueue order."""
+        for f in extra:
+            self._pending[f.task_id] = f
+        self._pending[fut.task_id] = fut
+        self._outbox.append((fut, frames, extra))
         self._wake()
-        return fut
+
+    def _fail_batch(self, carrier: TransferFuture, futures: Sequence[TransferFuture]) -> None:
+        """A batch refused whole by a rank: its tasks will get no reply of their own."""
+        err = carrier._error
+        if err is None:
+            return
+        refused = (err.failures if isinstance(err, TransferFailed)
+                   else [RankFailure(r, err.code, err.message) for r in carrier.ranks])
+        for f in futures:
+            if self._pending.pop(f.task_id, None) is not None:
+                f._finish(error=TransferFailed(f.task_id, f.op.value, [
+                    RankFailure(x.rank, x.code, f"batch {carrier.task_id} refused: {x.message}")
+                    for x in refused]))
 
     def _wake(self) -> None:
         with self._wake_lock:
@@ -294,8 +433,9 @@ class TransferClient:
 
     def _send_outbox(self) -> None:
         while self._outbox:
-            fut, frames = self._outbox.popleft()
-            heapq.heappush(self._deadlines, (fut.deadline, fut.task_id))
+            fut, frames, extra = self._outbox.popleft()
+            for f in (fut, *extra):
+                heapq.heappush(self._deadlines, (f.deadline, f.task_id))
             for r in fut.ranks:
                 self._dealers[r].send_multipart(frames, copy=False)
 

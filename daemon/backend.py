@@ -34,8 +34,11 @@ class Backend(Protocol):
         """Map the rank's device tensors and bind them to ``swap``; raise
         :class:`InvalidTask` (BAD_LAYOUT) and leave nothing mapped on failure."""
 
-    def copy(self, op: Op, device_ids: np.ndarray, host_ids: np.ndarray) -> int:
-        """Move the blocks of a validated task for every tensor; return bytes moved."""
+    def copy(self, op: Op, device_ids: np.ndarray, host_ids: np.ndarray,
+             tensors: Sequence[int] | None = None) -> int:
+        """Move the blocks of a validated task for every tensor (or only the tensors
+        at indices ``tensors``, e.g. one layer); return bytes moved.  Thread-safe for
+        tasks that do not overlap (the scheduler never runs overlapping ones at once)."""
 
     def detach(self) -> None:
         """Release every device mapping (idempotent)."""
@@ -87,10 +90,12 @@ class HostBackend:
         self.detach()
         self._regions, self._pairs = regions, pairs
 
-    def copy(self, op: Op, device_ids: np.ndarray, host_ids: np.ndarray) -> int:
+    def copy(self, op: Op, device_ids: np.ndarray, host_ids: np.ndarray,
+             tensors: Sequence[int] | None = None) -> int:
+        pairs = self._pairs if tensors is None else [self._pairs[i] for i in tensors]
         if op is Op.EVICT:
-            return copy_blocks(plan_copy(device_ids, host_ids), self._pairs)
-        return copy_blocks(plan_copy(host_ids, device_ids), [(h, d) for d, h in self._pairs])
+            return copy_blocks(plan_copy(device_ids, host_ids), pairs)
+        return copy_blocks(plan_copy(host_ids, device_ids), [(h, d) for d, h in pairs])
 
     def detach(self) -> None:
         self._pairs = []

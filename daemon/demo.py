@@ -86,7 +86,7 @@ class DemoResult:
                 f"{len(self.leaks)} leaks")
 
 
-class _RankView:
+class RankView:
     """The demo's own mapping of one rank's device tensors and host swap pool."""
 
     def __init__(self, names: Names, rank: int, tensors: Sequence[TensorDesc], host_blocks: int):
@@ -138,7 +138,7 @@ def _worker(client: TransferClient, cfg: DemoConfig, idx: int, dev_tag: np.ndarr
     out[idx] = (latencies, evicts, loads, nbytes)
 
 
-def _verify(views: list[_RankView], tensors: Sequence[TensorDesc], dev_tag: np.ndarray,
+def _verify(views: list[RankView], tensors: Sequence[TensorDesc], dev_tag: np.ndarray,
             host_tag: np.ndarray) -> tuple[int, list[str]]:
     verified, mismatches = 0, []
     for rank, view in enumerate(views):
@@ -170,12 +170,12 @@ def run_demo(cfg: DemoConfig, progress=print) -> DemoResult:
     progress(f"demo: namespace {namespace}, {cfg.tp} ranks, {len(tensors)} tensors per rank, "
              f"{block_bytes / 1024:.0f} KiB per block per rank, {num_dev} device / "
              f"{cfg.host_blocks} host blocks")
-    views: list[_RankView] = []
+    views: list[RankView] = []
     client = None
     launcher.start()
     try:
         launcher.wait_ready()
-        views = [_RankView(launcher.names, r, tensors, cfg.host_blocks) for r in range(cfg.tp)]
+        views = [RankView(launcher.names, r, tensors, cfg.host_blocks) for r in range(cfg.tp)]
         dev_tag = np.arange(1, num_dev + 1, dtype=np.int64)  # block b starts with tag b+1
         host_tag = np.zeros(cfg.host_blocks, dtype=np.int64)
         for rank, view in enumerate(views):

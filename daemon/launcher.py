@@ -33,9 +33,9 @@ from kvswap.client.signals import (
     R,
     RankState,
     SignalSegment,
-    create_wake_semaphores,
+    create_semaphores,
     poll_until,
-    unlink_wake_semaphores,
+    unlink_semaphores,
 )
 
 log = logging.getLogger("kvswap.launcher")
@@ -137,7 +137,7 @@ class Launcher:
         self._refuse_if_in_use()
         self.seg = SignalSegment.create(self.names, self.cfg.tp)
         try:
-            create_wake_semaphores(self.names, self.cfg.tp)
+            create_semaphores(self.names, self.cfg.tp)
             self.names.run_dir.mkdir(mode=0o700, parents=True, exist_ok=False)
             os.chmod(self.names.run_dir, 0o700)
             self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -270,7 +270,7 @@ class Launcher:
         self.seg.close()
         self.seg.unlink()
         self.seg = None
-        unlink_wake_semaphores(self.names, self.cfg.tp)
+        unlink_semaphores(self.names, self.cfg.tp)
         removed = sweep_namespace(self.names)
         if removed:
             log.info("removed leftovers: %s", ", ".join(removed))

@@ -4,16 +4,22 @@ Threads and what each one owns:
 
 * **I/O thread** (the main thread): the ZMQ ROUTER socket, the completion PAIR's
   receiving end and the signal wake-up fd.  It decodes every request, answers
-  INLINE ops at once, validates SERIAL ops completely (before any byte moves),
-  queues them, sends every reply, and is the single writer of the task counters
-  in the signal segment.
-* **executor**: runs SERIAL jobs (register, evict, load) one at a time in
-  submission order, then hands a completion back through an inproc PAIR.
+  INLINE ops at once, validates SERIAL and TRANSFER ops completely (before any
+  byte moves), hands them on, sends every reply, and is the single writer of
+  the task counters in the signal segment.
+* **control thread**: runs SERIAL jobs (``register``) in arrival order.
+* **transfer workers** (:class:`~kvswap.daemon.scheduler.Scheduler`): run
+  evicts and loads concurrently under hazard ordering, loads first, merging
+  independent tasks of one direction into one copy pass.
 * **heartbeat**: writes ``heartbeat_ns`` every ``heartbeat_interval_s``.
 
+Workers hand completions back through a deque plus a wake-up on an inproc
+PAIR, so only the I/O thread ever touches the ROUTER.
+
 Shutdown (``shutdown`` op, SIGTERM or SIGINT): state STOPPING, new requests get
-SHUTTING_DOWN, queued jobs are answered SHUTTING_DOWN, the running job finishes
-and is answered, then everything this daemon created is released and it exits 0.
+SHUTTING_DOWN, tasks that have not started are answered SHUTTING_DOWN, running
+ones finish and are answered, then everything this daemon created is released
+and it exits 0.
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import zmq
 
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, NotReady
+from kvswap.client.layer_progress import LayerProgress
 from kvswap.client.layout import TensorDesc, demo_layout, validate_layout
 from kvswap.client.naming import Names
 from kvswap.client.protocol import (
@@ -41,6 +48,8 @@ from kvswap.client.protocol import (
     Op,
     Request,
     RequestError,
+    decode_batch,
+    decode_id_pair,
     decode_request,
     decode_transfer,
     encode_reply,
@@ -49,17 +58,16 @@ from kvswap.client.protocol import (
 from kvswap.client.shm_region import ShmRegion
 from kvswap.client.signals import Barrier, R, RankState, SignalSegment, now_ns
 from kvswap.daemon.backend import Backend, make_backend
+from kvswap.daemon.scheduler import Scheduler, Task, concat_ids
 from kvswap.daemon.state import StateMachine
 from kvswap.daemon.swap_space import HostSwapSpace
 
 log = logging.getLogger("kvswap.daemon")
 
+_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 _LIVE_STATES = frozenset({RankState.STARTING, RankState.ATTACHING, RankState.READY,
                           RankState.PAUSED, RankState.CLEARING, RankState.CLEARED,
                           RankState.STOPPING})
-
-
-_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 
 
 @dataclass
@@ -76,15 +84,18 @@ class DaemonConfig:
     stale_after_s: float = 5.0
     max_message_bytes: int = 64 << 20
     device: int | None = None
+    workers: int = 2  # transfer worker threads
+    merge: bool = True  # merge independent queued tasks of one direction
+    max_merge_blocks: int = 4096
 
 
 @dataclass
 class Job:
     ident: bytes | None  # ROUTER identity of the requester; None for internal jobs
-    req: Request
+    req_id: int
+    op: Op
     t_recv: int
-    device_ids: np.ndarray | None = None
-    host_ids: np.ndarray | None = None
+    header: dict = field(default_factory=dict)
     tensors: list[TensorDesc] = field(default_factory=list)
 
 
@@ -101,12 +112,12 @@ class Completion:
 
 @dataclass(frozen=True)
 class Handler:
-    """``run`` executes the op (I/O thread for INLINE ops, executor for SERIAL ones)
-    and returns extra reply fields; ``admit`` (SERIAL only) validates a job in the
-    I/O thread and raises :class:`KvswapError` to reject it before it is queued."""
+    """``run`` answers an INLINE op in the I/O thread (returning reply fields) or
+    executes a SERIAL job on the control thread; TRANSFER ops have ``admit`` only,
+    which validates in the I/O thread and hands the task to the scheduler."""
 
-    run: Callable[[Job], dict]
-    admit: Callable[[Job], None] | None = None
+    run: Callable[[Job, Request | None], dict] | None = None
+    admit: Callable[[Job, Request | None], None] | None = None
 
 
 class DaemonError(Exception):
@@ -118,26 +129,34 @@ class Daemon:
         self.cfg = cfg
         self.names = Names.of(cfg.namespace, cfg.run_root)
         self.rank = cfg.rank
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._control: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._done: collections.deque[Completion] = collections.deque()
+        self._done_lock = threading.Lock()
         self._stopping = False
         self._register_pending = False
         self._hb_stop = threading.Event()
         self._swap: HostSwapSpace | None = None
+        self._scheduler: Scheduler | None = None
         self._demo_regions: list[ShmRegion] = []
         self._num_device_blocks = 0
         self._num_host_blocks = 0
+        self._block_bytes = 0  # bytes of one block over every tensor
+        self._layer_groups: list[list[int]] = []  # tensor indices per layer, by layer
         self._handlers: dict[Op, Handler] = {
-            Op.REGISTER: Handler(self._run_register, self._admit_register),
-            Op.EVICT: Handler(self._run_transfer, self._admit_transfer),
-            Op.LOAD: Handler(self._run_transfer, self._admit_transfer),
-            Op.PING: Handler(self._run_ping),
-            Op.STATS: Handler(self._run_stats),
-            Op.SHUTDOWN: Handler(self._run_shutdown),
+            Op.REGISTER: Handler(run=self._run_register, admit=self._admit_register),
+            Op.EVICT: Handler(admit=self._admit_transfer),
+            Op.LOAD: Handler(admit=self._admit_transfer),
+            Op.BATCH: Handler(run=self._run_batch),
+            Op.CANCEL: Handler(run=self._run_cancel),
+            Op.PING: Handler(run=self._run_ping),
+            Op.STATS: Handler(run=self._run_stats),
+            Op.SHUTDOWN: Handler(run=self._run_shutdown),
         }
         for op, spec in OPS.items():
             h = self._handlers.get(op)
-            if h is None or (h.admit is None) != (spec.kind is HandlerKind.INLINE):
+            shape = {HandlerKind.INLINE: (True, False), HandlerKind.SERIAL: (True, True),
+                     HandlerKind.TRANSFER: (False, True)}[spec.kind]
+            if h is None or (h.run is not None, h.admit is not None) != shape:
                 raise AssertionError(f"handler table does not match the op table for {op}")
 
     # ================================================================ life cycle
@@ -152,13 +171,13 @@ class Daemon:
         try:
             self._bind()
         except zmq.ZMQError as exc:
-            self.sm.fail(ErrorCode.NAMESPACE_ERROR, f"cannot bind {self.names.endpoint(self.rank)}: "
-                                                     f"{exc}")
+            self.sm.fail(ErrorCode.NAMESPACE_ERROR,
+                         f"cannot bind {self.names.endpoint(self.rank)}: {exc}")
             self._close_process_resources()
             return 2
-        self._executor = threading.Thread(target=self._execute_loop, name="executor",
-                                          daemon=True)
-        self._executor.start()
+        self._control_thread = threading.Thread(target=self._control_loop, name="control",
+                                                daemon=True)
+        self._control_thread.start()
         self.sm.to(RankState.ATTACHING)
         log.info("serving %s (backend %s, tp %d, host blocks %d, epoch %d, pid %d)",
                  self.names.endpoint(self.rank), self.cfg.backend, self.cfg.tp_size,
@@ -198,6 +217,7 @@ class Daemon:
                   R.SWAP_BYTES_PINNED):
             sig[f] = 0
         sig[R.HEARTBEAT_NS] = now_ns()
+        self.layers = LayerProgress(self.seg, self.rank)
 
     def _bind(self) -> None:
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -231,10 +251,22 @@ class Daemon:
         self._stopping = True
         if self.sm.state is not RankState.STOPPING:
             self.sm.to(RankState.STOPPING)
-        self._jobs.put(None)
+        self._control.put(None)
+        if self._scheduler is not None:
+            now = time.perf_counter_ns()
+            for task in self._scheduler.stop():
+                self._complete(Completion(task.ctx, ErrorCode.SHUTTING_DOWN,
+                                          f"rank {self.rank} is shutting down", now, now))
+
+    def _workers_done(self) -> bool:
+        if self._control_thread.is_alive():
+            return False
+        return self._scheduler is None or self._scheduler.join(0)
 
     def _teardown(self) -> None:
-        self._executor.join(timeout=60)
+        self._control_thread.join(timeout=60)
+        if self._scheduler is not None and not self._scheduler.join(60):
+            log.error("transfer workers did not finish within 60s")
         self.backend.detach()
         self.sig[R.CACHE_READY] = 0
         self.sig[R.SWAP_READY] = 0
@@ -259,6 +291,7 @@ class Daemon:
         self._hb_stop.set()
         self._hb_thread.join(timeout=5)
         self.ctx.term()
+        self.layers.close()
         self.seg.close()
 
     # ================================================================ I/O thread
@@ -268,12 +301,13 @@ class Daemon:
         poller.register(self._done_rx, zmq.POLLIN)
         poller.register(self._sig_r, zmq.POLLIN)
         while True:
-            if self._stopping and not self._executor.is_alive():
+            if self._stopping and self._workers_done():
                 self._flush_completions()
                 return
-            events = dict(poller.poll(1000))
+            events = dict(poller.poll(100 if self._stopping else 1000))
             if self._sig_r.fileno() in events:
-                stops = [signal.Signals(s).name for s in self._sig_r.recv(64) if s in _STOP_SIGNALS]
+                stops = [signal.Signals(s).name for s in self._sig_r.recv(64)
+                         if s in _STOP_SIGNALS]
                 if stops:
                     self._begin_stop(f"signal {', '.join(stops)}")
             if self._done_rx in events:
@@ -293,31 +327,35 @@ class Daemon:
         body = encode_reply(req_id, self.rank, code, message, queued_us, exec_us, **(fields or {}))
         self.router.send_multipart([ident, body], copy=False)
 
+    def _reject(self, ident: bytes | None, req_id: int | None, op: str, exc: KvswapError) -> None:
+        log.warning("rejected %s %s: %s", op, req_id, exc)
+        self.sig.add(R.FAILED, 1)
+        self._reply(ident, req_id, exc.code, exc.message)
+
     def _on_request(self, frames: list) -> None:
         t_recv = time.perf_counter_ns()
         ident = frames[0].bytes
         try:
             req = decode_request([f.buffer for f in frames[1:]])
         except RequestError as exc:
-            log.warning("rejected malformed request: %s", exc)
-            self.sig.add(R.FAILED, 1)
-            self._reply(ident, exc.req_id, exc.code, exc.message)
+            self._reject(ident, exc.req_id, "request", exc)
             return
-        job = Job(ident, req, t_recv)
+        job = Job(ident, req.id, req.op, t_recv, req.header)
         handler = self._handlers[req.op]
         try:
             if handler.admit is None:
-                fields = handler.run(job)
-                self._reply(ident, req.id, ErrorCode.OK, fields=fields)
-                return
-            handler.admit(job)
+                assert handler.run is not None
+                self._reply(ident, req.id, ErrorCode.OK, fields=handler.run(job, req))
+            else:
+                handler.admit(job, req)
         except KvswapError as exc:
-            log.warning("rejected %s %d: %s", req.op.value, req.id, exc)
-            self.sig.add(R.FAILED, 1)
-            self._reply(ident, req.id, exc.code, exc.message)
-            return
-        self.sig.add(R.INFLIGHT, 1)
-        self._jobs.put(job)
+            self._reject(ident, req.id, req.op.value, exc)
+
+    def _complete(self, c: Completion) -> None:
+        """Hand a completion to the I/O thread (any thread)."""
+        self._done.append(c)
+        with self._done_lock:
+            self._done_tx.send(b"")
 
     def _flush_completions(self) -> None:
         while True:
@@ -328,24 +366,109 @@ class Daemon:
         while self._done:
             c = self._done.popleft()
             job = c.job
-            if job.req.op in (Op.EVICT, Op.LOAD):
+            if job.ident is not None or job.op is not Op.REGISTER:
                 self.sig.add(R.INFLIGHT, -1)
+            if job.op in (Op.EVICT, Op.LOAD):
                 if c.code == ErrorCode.OK:
                     self.sig.add(R.COMPLETED, 1)
-                    self.sig.add(R.BYTES_EVICTED if job.req.op is Op.EVICT else R.BYTES_LOADED,
+                    self.sig.add(R.BYTES_EVICTED if job.op is Op.EVICT else R.BYTES_LOADED,
                                  c.nbytes)
-                else:
+                elif c.code != ErrorCode.CANCELLED:
                     self.sig.add(R.FAILED, 1)
-            elif job.ident is not None:
-                self.sig.add(R.INFLIGHT, -1)
-            self._reply(job.ident, job.req.id, c.code, c.message,
+            self._reply(job.ident, job.req_id, c.code, c.message,
                         queued_us=(c.t_start - job.t_recv) / 1e3,
                         exec_us=(c.t_end - c.t_start) / 1e3, fields=c.fields)
 
-    # ================================================================ executor
-    def _execute_loop(self) -> None:
+    # ================================================================ transfers
+    def _check_serving(self) -> None:
+        if self._stopping:
+            raise KvswapError(f"rank {self.rank} is shutting down", ErrorCode.SHUTTING_DOWN)
+        state = self.sm.state
+        if state is not RankState.READY:
+            raise NotReady(f"rank {self.rank} is {state.name}, not READY")
+
+    def _submit(self, job: Job, dev: np.ndarray, host: np.ndarray, fields: dict) -> None:
+        """Validate one transfer and queue it (I/O thread)."""
+        validate_transfer(job.op, dev, host, self._num_device_blocks, self._num_host_blocks)
+        layerwise = bool(fields.get("layerwise", False))
+        if layerwise and job.op is not Op.LOAD:
+            raise InvalidTask("layerwise applies to load only", ErrorCode.BAD_FIELD)
+        assert self._scheduler is not None
+        self.sig.add(R.INFLIGHT, 1)
+        self._scheduler.submit(job.op, dev, host, priority=int(fields.get("priority", 0)),
+                               layerwise=layerwise, ctx=job)
+
+    def _admit_transfer(self, job: Job, req: Request | None) -> None:
+        self._check_serving()
+        dev, host = decode_transfer(req)
+        self._submit(job, dev, host, req.header)
+
+    def _run_batch(self, job: Job, req: Request | None) -> dict:
+        """Admit each task of a batch on its own: each is answered under its own id."""
+        self._check_serving()
+        accepted = 0
+        for item in decode_batch(req):
+            sub = Job(job.ident, item.id, item.op, job.t_recv)
+            try:
+                dev, host = decode_id_pair(item.op, req.header["ids"], item.fields["n"],
+                                           item.device_frame, item.host_frame)
+                self._submit(sub, dev, host, item.fields)
+                accepted += 1
+            except KvswapError as exc:
+                self._reject(sub.ident, sub.req_id, sub.op.value, exc)
+        return {"accepted": accepted}
+
+    def _run_cancel(self, job: Job, req: Request | None) -> dict:
+        target = req.header["target"]
+        task = None
+        if self._scheduler is not None:
+            task = self._scheduler.cancel(
+                lambda t: t.ctx.ident == job.ident and t.ctx.req_id == target)
+        if task is None:
+            return {"cancelled": False}
+        now = time.perf_counter_ns()
+        self._complete(Completion(task.ctx, ErrorCode.CANCELLED,
+                                  f"task {target} cancelled before it started", now, now))
+        return {"cancelled": True}
+
+    def _execute(self, batch: list[Task]) -> None:
+        """Run one batch of tasks (a transfer worker thread); never raises."""
+        t_start = time.perf_counter_ns()
+        op = batch[0].op
+        try:
+            if batch[0].layerwise:
+                self._execute_layerwise(batch[0])
+            else:
+                dev, host = concat_ids(batch)
+                self.backend.copy(op, dev, host)
+        except Exception as exc:  # a copy that raised: report it on every task, keep serving
+            log.exception("%s of %d task(s) failed", op.value, len(batch))
+            t_end = time.perf_counter_ns()
+            for t in batch:
+                self._complete(Completion(t.ctx, ErrorCode.TRANSFER_FAILED,
+                                          f"{type(exc).__name__}: {exc}", t_start, t_end))
+            return
+        t_end = time.perf_counter_ns()
+        for t in batch:
+            nbytes = t.num_blocks * self._block_bytes
+            self._complete(Completion(t.ctx, ErrorCode.OK, "", t_start, t_end, nbytes,
+                                      {"bytes": nbytes, "merged": len(batch)}))
+
+    def _execute_layerwise(self, task: Task) -> None:
+        entry = self.layers.begin(task.ctx.req_id, len(self._layer_groups))
+        ok = False
+        try:
+            for i, tensors in enumerate(self._layer_groups):
+                self.backend.copy(task.op, task.device_ids, task.host_ids, tensors)
+                self.layers.advance(entry, i + 1)
+            ok = True
+        finally:
+            self.layers.finish(entry, ok)
+
+    # ================================================================ control
+    def _control_loop(self) -> None:
         while True:
-            job = self._jobs.get()
+            job = self._control.get()
             if job is None:
                 break
             t_start = time.perf_counter_ns()
@@ -353,71 +476,36 @@ class Daemon:
                 self._complete(Completion(job, ErrorCode.SHUTTING_DOWN,
                                           f"rank {self.rank} is shutting down", t_start, t_start))
                 continue
-            handler = self._handlers[job.req.op]
+            handler = self._handlers[job.op]
+            assert handler.run is not None
             try:
-                fields = handler.run(job)
-                nbytes = fields.get("bytes", 0)
-                c = Completion(job, ErrorCode.OK, "", t_start, time.perf_counter_ns(), nbytes,
-                               fields)
+                fields = handler.run(job, None)
+                c = Completion(job, ErrorCode.OK, "", t_start, time.perf_counter_ns(),
+                               fields=fields)
             except KvswapError as exc:
                 c = Completion(job, exc.code, exc.message, t_start, time.perf_counter_ns())
-            except Exception as exc:  # a copy that raised: report it, keep serving
-                log.exception("%s %s failed", job.req.op.value, job.req.id)
-                c = Completion(job, ErrorCode.TRANSFER_FAILED, f"{type(exc).__name__}: {exc}",
-                               t_start, time.perf_counter_ns())
             self._complete(c)
-            if job.req.op is Op.REGISTER and c.code == ErrorCode.OK:
+            if job.op is Op.REGISTER and c.code == ErrorCode.OK:
                 self._startup_barrier()
-        self._done_tx.send(b"")
 
-    def _complete(self, c: Completion) -> None:
-        self._done.append(c)
-        self._done_tx.send(b"")
-
-    # ================================================================ handlers
-    def _run_ping(self, job: Job) -> dict:
-        return {"state": self.sm.state.name, "epoch": self.sig[R.EPOCH], "pid": os.getpid()}
-
-    def _run_stats(self, job: Job) -> dict:
-        snap = self.seg.snapshot()["ranks"][self.rank]
-        return {"counters": snap}
-
-    def _run_shutdown(self, job: Job) -> dict:
-        self._begin_stop(f"shutdown requested (request {job.req.id})")
-        return {}
-
-    def _check_serving(self) -> None:
-        state = self.sm.state
-        if self._stopping:
-            raise KvswapError(f"rank {self.rank} is shutting down", ErrorCode.SHUTTING_DOWN)
-        if state is not RankState.READY:
-            raise NotReady(f"rank {self.rank} is {state.name}, not READY")
-
-    def _admit_transfer(self, job: Job) -> None:
-        self._check_serving()
-        dev, host = decode_transfer(job.req)
-        validate_transfer(job.req.op, dev, host, self._num_device_blocks, self._num_host_blocks)
-        job.device_ids, job.host_ids = dev, host
-
-    def _run_transfer(self, job: Job) -> dict:
-        assert job.device_ids is not None and job.host_ids is not None
-        return {"bytes": self.backend.copy(job.req.op, job.device_ids, job.host_ids)}
-
-    def _admit_register(self, job: Job) -> None:
+    def _admit_register(self, job: Job, req: Request | None) -> None:
         if self._stopping:
             raise KvswapError(f"rank {self.rank} is shutting down", ErrorCode.SHUTTING_DOWN)
         if self._register_pending or self.sm.state is not RankState.ATTACHING:
             raise KvswapError(f"rank {self.rank} already has caches registered "
                               f"(state {self.sm.state.name})", ErrorCode.ALREADY_REGISTERED)
-        hdr = job.req.header
+        hdr = job.header
         if hdr["backend"] != self.cfg.backend:
             raise InvalidTask(f"rank {self.rank} runs the {self.cfg.backend} backend, the worker "
                               f"registered {hdr['backend']} tensors", ErrorCode.BAD_LAYOUT)
         job.tensors = [TensorDesc.from_wire(t) for t in hdr["tensors"]]
         validate_layout(job.tensors)
         self._register_pending = True
+        if job.ident is not None:
+            self.sig.add(R.INFLIGHT, 1)
+        self._control.put(job)
 
-    def _run_register(self, job: Job) -> dict:
+    def _run_register(self, job: Job, req: Request | None) -> dict:
         tensors = job.tensors
         try:
             swap = HostSwapSpace.open(self.names, self.rank, tensors, self.cfg.host_blocks)
@@ -432,14 +520,21 @@ class Daemon:
         self._swap = swap
         self._num_device_blocks = tensors[0].num_blocks
         self._num_host_blocks = swap.num_host_blocks
+        self._block_bytes = sum(t.bytes_per_block for t in tensors)
+        layers = sorted({t.layer for t in tensors})
+        self._layer_groups = [[i for i, t in enumerate(tensors) if t.layer == layer]
+                              for layer in layers]
+        self._scheduler = Scheduler(self._num_device_blocks, self._num_host_blocks, self._execute,
+                                    workers=self.cfg.workers, merge=self.cfg.merge,
+                                    max_merge_blocks=self.cfg.max_merge_blocks)
         self.sig[R.NUM_DEVICE_BLOCKS] = self._num_device_blocks
         self.sig[R.NUM_HOST_BLOCKS] = self._num_host_blocks
         self.sig[R.SWAP_BYTES_TOTAL] = swap.nbytes
         self.sig[R.SWAP_BYTES_PINNED] = swap.nbytes
         self.sig[R.CACHE_READY] = 1
         self.sig[R.SWAP_READY] = 1
-        log.info("attached %d tensors (%d device blocks, %.1f MiB host swap%s)", len(tensors),
-                 self._num_device_blocks, swap.nbytes / 2**20,
+        log.info("attached %d tensors in %d layers (%d device blocks, %.1f MiB host swap%s)",
+                 len(tensors), len(layers), self._num_device_blocks, swap.nbytes / 2**20,
                  ", re-attached" if swap.reused else "")
         return {"num_device_blocks": self._num_device_blocks,
                 "num_host_blocks": self._num_host_blocks}
@@ -467,10 +562,23 @@ class Daemon:
             region = ShmRegion.create(self.names.device_segment(self.rank, t.name), nbytes)
             self._demo_regions.append(region)
             descs.append(TensorDesc(t.name, t.layer, t.dtype, t.shape, {"shm": region.name}))
-        wire = {"backend": self.cfg.backend, "tensors": [d.to_wire() for d in descs]}
-        job = Job(None, Request(0, Op.REGISTER, wire, []), time.perf_counter_ns())
-        self._admit_register(job)
-        self._jobs.put(job)
+        header = {"backend": self.cfg.backend, "tensors": [d.to_wire() for d in descs]}
+        self._admit_register(Job(None, 0, Op.REGISTER, time.perf_counter_ns(), header), None)
+
+    # ================================================================ inline ops
+    def _run_ping(self, job: Job, req: Request | None) -> dict:
+        return {"state": self.sm.state.name, "epoch": self.sig[R.EPOCH], "pid": os.getpid()}
+
+    def _run_stats(self, job: Job, req: Request | None) -> dict:
+        counters = self.seg.snapshot()["ranks"][self.rank]
+        if self._scheduler is not None:
+            counters["merged_batches"] = self._scheduler.merged_batches
+            counters["queued"] = self._scheduler.pending
+        return {"counters": counters}
+
+    def _run_shutdown(self, job: Job, req: Request | None) -> dict:
+        self._begin_stop(f"shutdown requested (request {job.req_id})")
+        return {}
 
 
 def _pid_alive(pid: int) -> bool:

@@ -182,9 +182,10 @@ def test_duplicate_sources_are_allowed():
 def test_op_table_is_consistent():
     assert set(OPS) == set(Op)
     for op in (Op.EVICT, Op.LOAD):
-        assert OPS[op].id_frames == 2 and OPS[op].kind is HandlerKind.SERIAL
+        assert OPS[op].id_frames == 2 and OPS[op].kind is HandlerKind.TRANSFER
+    assert OPS[Op.BATCH].id_frames is None  # two per task, checked by decode_batch
     for spec in OPS.values():
-        if spec.kind is HandlerKind.INLINE:
+        if spec.kind is HandlerKind.INLINE and spec.op is not Op.BATCH:
             assert spec.id_frames == 0
 
 

@@ -18,10 +18,10 @@ from kvswap.client.signals import (
     Barrier,
     RankState,
     SignalSegment,
-    create_wake_semaphores,
+    create_semaphores,
     now_ns,
     poll_until,
-    unlink_wake_semaphores,
+    unlink_semaphores,
 )
 
 ctx = mp.get_context("fork")
@@ -32,11 +32,11 @@ def segment(namespaces):
     """A tp=3 namespace's signal segment and semaphores, removed afterwards."""
     names = namespaces.new()
     seg = SignalSegment.create(names, 3)
-    create_wake_semaphores(names, 3)
+    create_semaphores(names, 3)
     yield seg
     seg.close()
     seg.unlink()
-    unlink_wake_semaphores(names, 3)
+    unlink_semaphores(names, 3)
 
 
 def _child_writes(names: Names, out) -> None:
@@ -181,11 +181,11 @@ def test_barrier_cancel(segment):
 def test_teardown_leaves_nothing(namespaces):
     names = namespaces.new()
     seg = SignalSegment.create(names, 2)
-    create_wake_semaphores(names, 2)
-    assert len(names.owned_shm()) == 3  # segment + 2 semaphores
+    create_semaphores(names, 2)
+    assert len(names.owned_shm()) == 5  # segment + 2 x (wake, layer) semaphores
     seg.close()
     seg.unlink()
-    unlink_wake_semaphores(names, 2)
+    unlink_semaphores(names, 2)
     assert names.owned_shm() == []
     with pytest.raises(posix_ipc.ExistentialError):
         posix_ipc.Semaphore(names.wake_sem(0))

@@ -1,0 +1,229 @@
+"""Per-rank transfer scheduling: hazard ordering, priorities, merging, cancellation.
+
+Evicts and loads run concurrently on a pool of worker threads, but two tasks
+whose device-block sets or host-block sets overlap always run in the order the
+rank admitted them (read-after-write, write-after-read and write-after-write,
+whatever their directions).  Independent tasks never wait for each other.
+
+How: the scheduler remembers, for every device block and every host block, the
+last admitted task that touched it.  A new task depends on the unfinished ones
+among those; it becomes READY when they have all finished.  Depending only on
+the *last* toucher of each block is enough, because that task itself waited for
+every earlier toucher (ordering is transitive).
+
+READY tasks wait in one heap per direction.  A free worker takes loads before
+evicts (loads are on a request's critical path), higher ``priority`` first,
+then admission order.  With merging on, it also takes further READY tasks of
+the same direction (up to ``max_merge_blocks``) and runs them as one copy pass:
+READY tasks never overlap each other or a running task, or one of them would be
+waiting for the other.  Layer-wise loads are never merged (they publish
+per-layer progress of their own).
+
+Cancellation removes a task that has not started; its dependents are released
+as if it had finished (it changed nothing).  A task that has started always
+completes.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from kvswap.client.protocol import Op
+
+
+class TaskState(enum.Enum):
+    WAITING = "waiting"  # admitted, waits for earlier overlapping tasks
+    READY = "ready"  # in a ready heap
+    RUNNING = "running"
+    DONE = "done"
+    CANCELLED = "cancelled"
+
+
+@dataclass(eq=False)
+class Task:
+    seq: int
+    op: Op
+    device_ids: np.ndarray
+    host_ids: np.ndarray
+    priority: int = 0
+    layerwise: bool = False
+    ctx: Any = None  # the daemon's job (who to answer)
+    state: TaskState = TaskState.WAITING
+    deps: int = 0
+    dependents: list["Task"] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.device_ids.shape[0])
+
+    def sort_key(self) -> tuple[int, int]:
+        return (-self.priority, self.seq)
+
+
+RunBatch = Callable[[list[Task]], None]
+
+
+class Scheduler:
+    """Owns the hazard table and the ready heaps; ``run_batch`` executes work.
+
+    ``submit``/``cancel`` are called by the daemon's I/O thread, workers call
+    ``run_batch`` outside the lock.  ``run_batch`` must not raise: it reports
+    each task's outcome itself.
+    """
+
+    def __init__(self, num_device_blocks: int, num_host_blocks: int, run_batch: RunBatch,
+                 workers: int = 2, merge: bool = True, max_merge_blocks: int = 4096):
+        if workers < 1:
+            raise ValueError("a scheduler needs at least one worker")
+        self._run_batch = run_batch
+        self.merge = merge
+        self.max_merge_blocks = max_merge_blocks
+        self._dev_last = np.full(num_device_blocks, -1, dtype=np.int64)
+        self._host_last = np.full(num_host_blocks, -1, dtype=np.int64)
+        self._live: dict[int, Task] = {}  # seq -> task not yet DONE/CANCELLED
+        self._ready: dict[Op, list[tuple[tuple[int, int], Task]]] = {Op.LOAD: [], Op.EVICT: []}
+        self._seq = 0
+        self._cv = threading.Condition()
+        self._stopping = False
+        self.merged_batches = 0
+        self._threads = [threading.Thread(target=self._worker, name=f"transfer-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ I/O thread
+    def submit(self, op: Op, device_ids: np.ndarray, host_ids: np.ndarray, *, priority: int = 0,
+               layerwise: bool = False, ctx: Any = None) -> Task:
+        with self._cv:
+            if self._stopping:
+                raise RuntimeError("scheduler is stopping")
+            task = Task(self._seq, op, device_ids, host_ids, priority, layerwise, ctx)
+            self._seq += 1
+            prev = np.concatenate((self._dev_last[device_ids], self._host_last[host_ids]))
+            for s in np.unique(prev[prev >= 0]).tolist():
+                before = self._live.get(s)
+                if before is not None:
+                    before.dependents.append(task)
+                    task.deps += 1
+            self._dev_last[device_ids] = task.seq
+            self._host_last[host_ids] = task.seq
+            self._live[task.seq] = task
+            if task.deps == 0:
+                self._make_ready(task)
+            return task
+
+    def cancel(self, match: Callable[[Task], bool]) -> Task | None:
+        """Cancel the first not-yet-started task for which ``match`` holds."""
+        with self._cv:
+            for task in self._live.values():
+                if task.state in (TaskState.WAITING, TaskState.READY) and match(task):
+                    task.state = TaskState.CANCELLED  # lazily dropped from its ready heap
+                    self._release(task)
+                    return task
+        return None
+
+    def find(self, match: Callable[[Task], bool]) -> Task | None:
+        with self._cv:
+            return next((t for t in self._live.values() if match(t)), None)
+
+    def stop(self) -> list[Task]:
+        """Stop taking work; return every task that has not started (now CANCELLED)
+        so the caller can answer them.  Running batches finish; see :meth:`join`."""
+        with self._cv:
+            self._stopping = True
+            dropped = [t for t in self._live.values()
+                       if t.state in (TaskState.WAITING, TaskState.READY)]
+            for t in dropped:
+                t.state = TaskState.CANCELLED
+                del self._live[t.seq]
+            for heap in self._ready.values():
+                heap.clear()
+            self._cv.notify_all()
+        return sorted(dropped, key=lambda t: t.seq)
+
+    def join(self, timeout: float) -> bool:
+        for t in self._threads:
+            t.join(timeout)
+        return not any(t.is_alive() for t in self._threads)
+
+    @property
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._live)
+
+    # ------------------------------------------------------------------ internals (lock held)
+    def _make_ready(self, task: Task) -> None:
+        task.state = TaskState.READY
+        heapq.heappush(self._ready[task.op], (task.sort_key(), task))
+        self._cv.notify()
+
+    def _release(self, task: Task) -> None:
+        """``task`` is finished or cancelled: forget it and wake its dependents."""
+        self._live.pop(task.seq, None)
+        for dep in task.dependents:
+            dep.deps -= 1
+            if dep.deps == 0 and dep.state is TaskState.WAITING:
+                self._make_ready(dep)
+        task.dependents = []
+
+    def _pop_ready(self, op: Op) -> Task | None:
+        heap = self._ready[op]
+        while heap:
+            _, task = heapq.heappop(heap)
+            if task.state is TaskState.READY:
+                return task
+        return None
+
+    def _take(self) -> list[Task]:
+        first = self._pop_ready(Op.LOAD) or self._pop_ready(Op.EVICT)
+        if first is None:
+            return []
+        batch = [first]
+        if self.merge and not first.layerwise:
+            heap = self._ready[first.op]
+            blocks = first.num_blocks
+            while heap:
+                _, nxt = heap[0]
+                if nxt.state is not TaskState.READY:
+                    heapq.heappop(heap)
+                    continue
+                if nxt.layerwise or blocks + nxt.num_blocks > self.max_merge_blocks:
+                    break
+                heapq.heappop(heap)
+                batch.append(nxt)
+                blocks += nxt.num_blocks
+        for t in batch:
+            t.state = TaskState.RUNNING
+        if len(batch) > 1:
+            self.merged_batches += 1
+        return batch
+
+    # ------------------------------------------------------------------ workers
+    def _worker(self) -> None:
+        while True:
+            with self._cv:
+                batch = self._take()
+                while not batch:
+                    if self._stopping:
+                        return
+                    self._cv.wait()
+                    batch = self._take()
+            self._run_batch(batch)
+            with self._cv:
+                for t in batch:
+                    t.state = TaskState.DONE
+                    self._release(t)
+
+
+def concat_ids(tasks: Sequence[Task]) -> tuple[np.ndarray, np.ndarray]:
+    """Device and host ids of a merged batch, in task order."""
+    if len(tasks) == 1:
+        return tasks[0].device_ids, tasks[0].host_ids
+    return (np.concatenate([t.device_ids for t in tasks]),
+            np.concatenate([t.host_ids for t in tasks]))

@@ -1,0 +1,177 @@
+"""Scheduler unit tests: a fake executor gated by events makes every ordering
+question deterministic (no timing assumptions)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvswap.client.protocol import Op
+from kvswap.daemon.scheduler import Scheduler, Task, TaskState
+
+WAIT = 10.0
+
+
+class Gate:
+    """run_batch that records batches and blocks each until released."""
+
+    def __init__(self):
+        self.started: list[list[int]] = []  # ctx of each batch, in start order
+        self.cv = threading.Condition()
+        self.released: set[int] = set()  # ctx values allowed to finish
+
+    def __call__(self, batch: list[Task]) -> None:
+        ids = [t.ctx for t in batch]
+        with self.cv:
+            self.started.append(ids)
+            self.cv.notify_all()
+            assert self.cv.wait_for(lambda: all(i in self.released for i in ids), WAIT)
+
+    def wait_started(self, n: int) -> list[list[int]]:
+        with self.cv:
+            assert self.cv.wait_for(lambda: len(self.started) >= n, WAIT), self.started
+            return list(self.started)
+
+    def release(self, *ids: int) -> None:
+        with self.cv:
+            self.released.update(ids)
+            self.cv.notify_all()
+
+
+def ids(*x):
+    return np.array(x, dtype=np.int64)
+
+
+@pytest.fixture
+def make():
+    made = []
+
+    def _make(workers=2, merge=False, gate=None):
+        gate = gate or Gate()
+        s = Scheduler(16, 16, gate, workers=workers, merge=merge)
+        made.append((s, gate))
+        return s, gate
+
+    yield _make
+    for s, gate in made:
+        gate.release(*range(1000))
+        s.stop()
+        assert s.join(WAIT)
+
+
+def test_overlapping_tasks_wait_independent_ones_run(make):
+    s, gate = make(workers=2)
+    s.submit(Op.EVICT, ids(1, 2), ids(1, 2), ctx=0)
+    late = s.submit(Op.LOAD, ids(2), ids(9), ctx=1)  # device block 2: depends on task 0
+    s.submit(Op.LOAD, ids(5), ids(5), ctx=2)  # independent: runs beside task 0
+    assert sorted(map(tuple, gate.wait_started(2))) == [(0,), (2,)]
+    assert late.state is TaskState.WAITING and late.deps == 1
+    gate.release(2)
+    gate.release(0)
+    assert gate.wait_started(3)[2] == [1]
+    gate.release(1)
+
+
+@pytest.mark.parametrize("first, second", [
+    ((ids(1), ids(1)), (ids(1), ids(2))),  # same device block (read then write)
+    ((ids(1), ids(1)), (ids(2), ids(1))),  # same host block
+])
+def test_any_overlap_orders_whatever_the_direction(make, first, second):
+    s, gate = make(workers=2)
+    s.submit(Op.LOAD, *first, ctx=0)
+    t = s.submit(Op.EVICT, *second, ctx=1)
+    assert gate.wait_started(1) == [[0]]
+    assert t.state is TaskState.WAITING
+    gate.release(0)
+    assert gate.wait_started(2)[1] == [1]
+    gate.release(1)
+
+
+def test_chain_of_three_is_transitive(make):
+    s, gate = make(workers=3)
+    s.submit(Op.EVICT, ids(1), ids(1), ctx=0)
+    s.submit(Op.LOAD, ids(2), ids(1), ctx=1)  # host 1: after 0
+    t2 = s.submit(Op.EVICT, ids(2), ids(3), ctx=2)  # device 2: after 1 (and so after 0)
+    assert t2.deps == 1
+    gate.wait_started(1)
+    gate.release(0)
+    assert gate.wait_started(2)[1] == [1]
+    assert t2.state is TaskState.WAITING
+    gate.release(1, 2)
+    assert gate.wait_started(3)[2] == [2]
+
+
+def test_loads_before_evicts_then_priority_then_order(make):
+    s, gate = make(workers=1)
+    s.submit(Op.EVICT, ids(0), ids(0), ctx=100)  # occupies the only worker
+    gate.wait_started(1)
+    s.submit(Op.EVICT, ids(1), ids(1), ctx=1)
+    s.submit(Op.EVICT, ids(2), ids(2), priority=5, ctx=2)
+    s.submit(Op.LOAD, ids(3), ids(3), ctx=3)
+    s.submit(Op.LOAD, ids(4), ids(4), priority=1, ctx=4)
+    s.submit(Op.EVICT, ids(5), ids(5), priority=5, ctx=5)
+    gate.release(100, 1, 2, 3, 4, 5)
+    order = [b[0] for b in gate.wait_started(6)[1:]]
+    assert order == [4, 3, 2, 5, 1]
+
+
+def test_ready_tasks_of_one_direction_merge(make):
+    s, gate = make(workers=1, merge=True)
+    s.submit(Op.LOAD, ids(0), ids(0), ctx=100)
+    gate.wait_started(1)
+    for i in range(1, 5):
+        s.submit(Op.EVICT, ids(i), ids(i), ctx=i)
+    s.submit(Op.LOAD, ids(9), ids(9), layerwise=True, ctx=9)  # never merged
+    s.submit(Op.LOAD, ids(8), ids(8), ctx=8)
+    gate.release(100, 1, 2, 3, 4, 8, 9)
+    batches = gate.wait_started(4)[1:]
+    assert batches == [[9], [8], [1, 2, 3, 4]]
+    assert s.merged_batches == 1
+
+
+def test_merge_respects_block_budget(make):
+    gate = Gate()
+    s = Scheduler(16, 16, gate, workers=1, merge=True, max_merge_blocks=3)
+    try:
+        s.submit(Op.LOAD, ids(0), ids(0), ctx=100)
+        gate.wait_started(1)
+        s.submit(Op.EVICT, ids(1, 2), ids(1, 2), ctx=1)
+        s.submit(Op.EVICT, ids(3), ids(3), ctx=2)
+        s.submit(Op.EVICT, ids(4), ids(4), ctx=3)
+        gate.release(100, 1, 2, 3)
+        assert gate.wait_started(3)[1:] == [[1, 2], [3]]
+    finally:
+        gate.release(*range(200))
+        s.stop()
+        s.join(WAIT)
+
+
+def test_cancel_waiting_task_releases_dependents(make):
+    s, gate = make(workers=2)
+    s.submit(Op.EVICT, ids(1), ids(1), ctx=0)
+    s.submit(Op.LOAD, ids(1), ids(2), ctx=1)  # waits for 0
+    s.submit(Op.EVICT, ids(1), ids(3), ctx=2)  # waits for 1
+    assert gate.wait_started(1) == [[0]]
+    assert s.cancel(lambda t: t.ctx == 0) is None  # running: cannot be cancelled
+    cancelled = s.cancel(lambda t: t.ctx == 1)
+    assert cancelled is not None and cancelled.state is TaskState.CANCELLED
+    gate.release(0, 2)
+    assert gate.wait_started(2)[1] == [2]  # task 2 ran without task 1
+    assert all(b != [1] for b in gate.started)
+
+
+def test_stop_returns_unstarted_tasks(make):
+    s, gate = make(workers=1)
+    s.submit(Op.EVICT, ids(1), ids(1), ctx=0)
+    gate.wait_started(1)
+    s.submit(Op.EVICT, ids(1), ids(2), ctx=1)
+    s.submit(Op.LOAD, ids(5), ids(5), ctx=2)
+    dropped = s.stop()
+    assert [t.ctx for t in dropped] == [1, 2]
+    with pytest.raises(RuntimeError):
+        s.submit(Op.LOAD, ids(6), ids(6), ctx=3)
+    gate.release(0)
+    assert s.join(WAIT)
+    assert gate.started == [[0]]

@@ -12,6 +12,7 @@ import time
 from kvswap.client.errors import KvswapError
 from kvswap.client.layout import DEMO_LAYOUT_HELP, parse_demo_layout
 from kvswap.client.monitor import format_json, format_table, read_status
+from kvswap.daemon import bench
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print one JSON object")
     st.add_argument("--watch", action="store_true", help="refresh until interrupted")
     st.add_argument("--interval", type=float, default=1.0, help="--watch refresh period")
+
+    bench.add_parser(sub)
 
     de = sub.add_parser("demo", help="run a verified multi-process evict/load workload")
     de.add_argument("--tp", type=int, default=2)
@@ -161,10 +164,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if res.ok else 1
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    _setup_logging()
+    logging.getLogger("kvswap").setLevel(logging.WARNING)
+    try:
+        return bench.run(args)
+    except KvswapError as exc:
+        print(f"kvswap bench: {exc}", file=sys.stderr)
+        return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"launch": cmd_launch, "status": cmd_status, "demo": cmd_demo}[args.cmd](args)
+        return {"launch": cmd_launch, "status": cmd_status, "demo": cmd_demo,
+                "bench": cmd_bench}[args.cmd](args)
     except ValueError as exc:
         print(f"kvswap {args.cmd}: {exc}", file=sys.stderr)
         return 2

@@ -99,7 +99,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ I/O thread
     def submit(self, op: Op, device_ids: np.ndarray, host_ids: np.ndarray, *, priority: int = 0,
-               layerwise: bool = False, ctx: Any = None) -> Task:
+               layerwise: bool = False, ctx: Any = None, claim_if_alone: bool = False) -> Task:
+        """Admit a task.  With ``claim_if_alone``, a task that is ready at once while no
+        other task is ready is returned RUNNING instead of queued: the caller runs it
+        itself (no hand-off to a worker) and then calls :meth:`finish`.  Nothing else
+        is ready, so no ordering or priority question can arise."""
         with self._cv:
             if self._stopping:
                 raise RuntimeError("scheduler is stopping")
@@ -115,8 +119,18 @@ class Scheduler:
             self._host_last[host_ids] = task.seq
             self._live[task.seq] = task
             if task.deps == 0:
-                self._make_ready(task)
+                if claim_if_alone and not any(self._ready.values()):
+                    task.state = TaskState.RUNNING
+                else:
+                    self._make_ready(task)
             return task
+
+    def finish(self, batch: Sequence[Task]) -> None:
+        """Mark a batch done and release its dependents."""
+        with self._cv:
+            for t in batch:
+                t.state = TaskState.DONE
+                self._release(t)
 
     def cancel(self, match: Callable[[Task], bool]) -> Task | None:
         """Cancel the first not-yet-started task for which ``match`` holds."""
@@ -215,10 +229,7 @@ class Scheduler:
                     self._cv.wait()
                     batch = self._take()
             self._run_batch(batch)
-            with self._cv:
-                for t in batch:
-                    t.state = TaskState.DONE
-                    self._release(t)
+            self.finish(batch)
 
 
 def concat_ids(tasks: Sequence[Task]) -> tuple[np.ndarray, np.ndarray]:

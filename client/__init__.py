@@ -14,6 +14,7 @@ from kvswap.client.errors import (
     NotReady,
     ProtocolError,
     RankFailure,
+    RankRestarted,
     RankTimeout,
     TransferFailed,
 )
@@ -24,6 +25,6 @@ from kvswap.client.transfer_client import TaskResult, TransferClient, TransferFu
 __all__ = [
     "BarrierAborted", "BarrierTimeout", "CacheTensor", "CacheWorker", "ErrorCode",
     "InvalidTask", "KvswapError", "NamespaceError", "NotReady", "PROTOCOL_VERSION",
-    "ProtocolError", "RankFailure", "RankState", "RankTimeout", "TaskResult",
+    "ProtocolError", "RankFailure", "RankRestarted", "RankState", "RankTimeout", "TaskResult",
     "TransferClient", "TransferFailed", "TransferFuture", "TransferSpec",
 ]

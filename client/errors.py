@@ -30,6 +30,7 @@ class ErrorCode(enum.IntEnum):
     BAD_FRAMES = 103  # missing or extra frames after the header
     BAD_FIELD = 104  # a header field is missing or has the wrong type
     MESSAGE_TOO_LARGE = 105
+    AUTH_FAILED = 106  # tcp:// only: missing or wrong HMAC signature, or a replayed message
 
     INVALID_TASK = 200  # generic invalid request
     ID_OUT_OF_RANGE = 201  # block id < 0 or >= the number of blocks
@@ -41,9 +42,13 @@ class ErrorCode(enum.IntEnum):
     NOT_READY = 300  # caches not attached / swap space not ready
     SHUTTING_DOWN = 301
     ALREADY_REGISTERED = 302
+    RANK_RESTARTED = 303  # the rank restarted since the client addressed it (epoch changed)
+    PAUSED = 304  # transfers refused until resume
+    CLEARED = 305  # caches released for a weight update; restore and re-register first
 
     TRANSFER_FAILED = 400  # copy raised on the daemon
     CANCELLED = 401  # cancelled before it started (nothing was copied)
+    INTERNAL_ERROR = 402  # the daemon hit an unexpected error on this request (see its log)
 
     RANK_TIMEOUT = 500  # a rank did not answer in time
     BARRIER_TIMEOUT = 501
@@ -77,7 +82,7 @@ class NotReady(KvswapError):
     default_code = ErrorCode.NOT_READY
 
 
-class RankTimeout(KvswapError):
+class RankTimeout(KvswapError, TimeoutError):
     default_code = ErrorCode.RANK_TIMEOUT
 
 
@@ -122,6 +127,14 @@ class TransferFailed(KvswapError):
         detail = "; ".join(str(f) for f in self.failures)
         code = self.failures[0].code if self.failures else ErrorCode.TRANSFER_FAILED
         super().__init__(f"task {task_id} ({op}) failed: {detail}", code)
+
+
+class RankRestarted(TransferFailed):
+    """A rank restarted while the task was in flight and the task could not be re-sent
+    (already re-sent once, part of an accepted batch, or overlapping another task in
+    flight).  ``failures`` names the rank(s)."""
+
+    default_code = ErrorCode.RANK_RESTARTED
 
 
 _BY_RANGE: list[tuple[int, type[KvswapError]]] = [

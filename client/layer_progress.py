@@ -71,7 +71,8 @@ class LayerProgress:
         hits = np.flatnonzero(self.table[:, L.TASK_ID] == task_id)
         if hits.size == 0:
             return None
-        e = self.table[int(hits[-1])]
+        # the newest claim of this task (a retried load claims a second entry)
+        e = self.table[int(hits[np.argmax(self.table[hits, L.GENERATION])])]
         gen = int(e[L.GENERATION])
         done, total, state = int(e[L.LAYERS_DONE]), int(e[L.NUM_LAYERS]), int(e[L.STATE])
         if int(e[L.TASK_ID]) != task_id or int(e[L.GENERATION]) != gen:

@@ -79,7 +79,7 @@ class TensorDesc:
             raise _layout_error(f"tensor {name}: dtype must be a string")
         try:
             dt = np.dtype(dtype)
-        except TypeError:
+        except (TypeError, ValueError):
             raise _layout_error(f"tensor {name}: unknown dtype {dtype!r}") from None
         if dt.hasobject or dt.itemsize == 0:
             raise _layout_error(f"tensor {name}: dtype {dtype!r} cannot be copied as bytes")

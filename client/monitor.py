@@ -26,17 +26,60 @@ def _age(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}s"
 
 
-def format_table(status: dict) -> str:
-    cols = ("rank", "pid", "state", "epoch", "heartbeat", "inflight", "completed", "failed",
-            "GiB evicted", "GiB loaded", "last error")
+_GB = 1e9
+
+
+def transfer_rates(prev: dict, cur: dict, dt_s: float) -> dict[int, tuple[float | None,
+                                                                          float | None]]:
+    """GB/s (10^9 bytes/s) evicted and loaded per rank between two snapshots of one
+    namespace taken ``dt_s`` apart, from the bytes counters.
+
+    A rate is None where it cannot be known: the namespace was launched anew
+    between the snapshots (another creation time), a rank is new, or a counter
+    went back.  Counters survive a daemon restart, so a restart alone does not
+    blank the rate.
+    """
+    if dt_s <= 0 or prev["created_unix_ns"] != cur["created_unix_ns"]:
+        return {r["rank"]: (None, None) for r in cur["ranks"]}
+    before = {r["rank"]: r for r in prev["ranks"]}
+    out: dict[int, tuple[float | None, float | None]] = {}
+    for r in cur["ranks"]:
+        old = before.get(r["rank"])
+        pair = []
+        for field in ("bytes_evicted", "bytes_loaded"):
+            delta = None if old is None else r[field] - old[field]
+            pair.append(None if delta is None or delta < 0 else delta / dt_s / _GB)
+        out[r["rank"]] = (pair[0], pair[1])
+    return out
+
+
+def _rate(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return "<0.01" if 0 < v < 0.005 else f"{v:.2f}"  # traffic never reads as 0.00
+
+
+def format_table(status: dict,
+                 rates: dict[int, tuple[float | None, float | None]] | None = None) -> str:
+    """The status table; with ``rates`` (see :func:`transfer_rates`; ``{}`` before the
+    second refresh of ``--watch``) it gains a GB/s column per direction."""
+    cols = ["rank", "pid", "state", "epoch", "heartbeat", "inflight", "completed", "failed",
+            "GiB evicted", "GiB loaded"]
+    if rates is not None:
+        cols += ["evict GB/s", "load GB/s"]
+    cols.append("last error")
     rows = []
     for r in status["ranks"]:
-        rows.append((
+        row = [
             str(r["rank"]), str(r["pid"] or "-"), r["state"], str(r["epoch"]),
             _age(r["heartbeat_age_s"]), str(r["inflight"]), str(r["completed"]), str(r["failed"]),
             f"{r['bytes_evicted'] / _GIB:.3f}", f"{r['bytes_loaded'] / _GIB:.3f}",
-            "-" if r["last_error"] == "OK" else r["last_error"],
-        ))
+        ]
+        if rates is not None:
+            evict, load = rates.get(r["rank"], (None, None))
+            row += [_rate(evict), _rate(load)]
+        row.append("-" if r["last_error"] == "OK" else r["last_error"])
+        rows.append(row)
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     line = "  ".join(c.rjust(w) for c, w in zip(cols, widths))
     out = [

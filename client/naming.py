@@ -33,6 +33,14 @@ def default_run_root() -> Path:
     return Path(f"/tmp/kvswap-{os.getuid()}")
 
 
+def tcp_endpoints(spec: str, tp: int) -> list[str]:
+    """``HOST:BASEPORT`` -> one tcp:// endpoint per rank (BASEPORT + rank)."""
+    host, sep, port = spec.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535 - tp:
+        raise ValueError(f"tcp listen address must be HOST:BASEPORT, got {spec!r}")
+    return [f"tcp://{host}:{int(port) + r}" for r in range(tp)]
+
+
 def check_tensor_name(name: str) -> str:
     if not isinstance(name, str) or not _TENSOR_RE.match(name):
         raise ValueError(

@@ -31,7 +31,7 @@ import numpy as np
 
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, ProtocolError
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 1)
+PROTOCOL_VERSION: tuple[int, int] = (1, 2)
 
 # id frame dtypes accepted on the wire (little-endian only, so frames mean the
 # same on every host).
@@ -45,6 +45,10 @@ class Op(str, enum.Enum):
     LOAD = "load"
     BATCH = "batch"
     CANCEL = "cancel"
+    PAUSE = "pause"
+    RESUME = "resume"
+    CLEAR = "clear"
+    RESTORE = "restore"
     PING = "ping"
     STATS = "stats"
     SHUTDOWN = "shutdown"
@@ -69,7 +73,10 @@ class OpSpec:
     optional: Mapping[str, type | tuple[type, ...]] = field(default_factory=dict)
 
 
-_TRANSFER_OPTIONAL = {"priority": int, "layerwise": bool}
+# ep: the sender's view of every rank's epoch; a rank whose epoch differs refuses the
+# task with RANK_RESTARTED, so nothing addressed to a dead daemon runs on its successor
+# out of order.
+_TRANSFER_OPTIONAL = {"priority": int, "layerwise": bool, "ep": list}
 
 OPS: dict[Op, OpSpec] = {
     spec.op: spec
@@ -77,16 +84,24 @@ OPS: dict[Op, OpSpec] = {
         OpSpec(Op.REGISTER, {"backend": str, "tensors": list}, 0, HandlerKind.SERIAL,
                ("num_device_blocks", "num_host_blocks"),
                "attach the rank's cache tensors and create its host swap space"),
-        OpSpec(Op.EVICT, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, ("bytes",),
+        OpSpec(Op.EVICT, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, ("bytes", "merged"),
                "copy device blocks -> host blocks for every tensor", _TRANSFER_OPTIONAL),
-        OpSpec(Op.LOAD, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, ("bytes",),
+        OpSpec(Op.LOAD, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, ("bytes", "merged"),
                "copy host blocks -> device blocks for every tensor; layerwise=true copies "
                "layer by layer and publishes per-layer progress", _TRANSFER_OPTIONAL),
         OpSpec(Op.BATCH, {"ids": str, "tasks": list}, None, HandlerKind.INLINE, ("accepted",),
                "many evict/load tasks in one message: two id frames per task, each task "
-               "answered under its own id"),
+               "answered under its own id", {"ep": list}),
         OpSpec(Op.CANCEL, {"target": int}, 0, HandlerKind.INLINE, ("cancelled",),
                "cancel a task of this connection that has not started"),
+        OpSpec(Op.PAUSE, {}, 0, HandlerKind.INLINE, (),
+               "refuse new transfers (PAUSED); answered once every accepted task finished"),
+        OpSpec(Op.RESUME, {}, 0, HandlerKind.INLINE, (), "accept transfers again"),
+        OpSpec(Op.CLEAR, {}, 0, HandlerKind.SERIAL, (),
+               "drain, release the device mappings (and the host pool if free_host), "
+               "barrier with every rank, state CLEARED", {"free_host": bool}),
+        OpSpec(Op.RESTORE, {}, 0, HandlerKind.INLINE, (),
+               "CLEARED -> ATTACHING: accept the worker's new register"),
         OpSpec(Op.PING, {}, 0, HandlerKind.INLINE, ("state", "epoch", "pid"),
                "liveness and state"),
         OpSpec(Op.STATS, {}, 0, HandlerKind.INLINE, ("counters",),
@@ -329,13 +344,37 @@ def _transfer_fields(priority: int, layerwise: bool) -> dict:
     return out
 
 
+@dataclass
+class Message:
+    """A request before its header is packed: the client's I/O thread packs the
+    header at send time, adding ``ep`` (its view of every rank's epoch) when
+    ``epoch_stamped``; ``tail`` holds the raw id frames."""
+
+    header: dict
+    tail: list
+    epoch_stamped: bool = False
+
+    def frames(self, epochs: Sequence[int] | None = None, ts: int | None = None) -> list:
+        header = self.header if epochs is None else {**self.header, "ep": list(epochs)}
+        if ts is not None:
+            header = {**header, "ts": ts}
+        return [packb(header), *self.tail]
+
+
+def transfer_message(op: Op, req_id: int, device_ids: np.ndarray, host_ids: np.ndarray,
+                     priority: int = 0, layerwise: bool = False) -> Message:
+    """A transfer request; both id arrays share one dtype."""
+    dtype = _wire_dtype((device_ids, host_ids))
+    header = {"v": list(PROTOCOL_VERSION), "id": req_id, "op": op.value, "ids": dtype,
+              "n": int(device_ids.shape[0]), **_transfer_fields(priority, layerwise)}
+    return Message(header, [device_ids.astype(dtype, copy=False),
+                            host_ids.astype(dtype, copy=False)], epoch_stamped=True)
+
+
 def encode_transfer(op: Op, req_id: int, device_ids: np.ndarray, host_ids: np.ndarray,
                     priority: int = 0, layerwise: bool = False) -> list:
-    """Frames of a transfer request; both id arrays share one dtype."""
-    dtype = _wire_dtype((device_ids, host_ids))
-    fields = {"ids": dtype, "n": int(device_ids.shape[0]), **_transfer_fields(priority, layerwise)}
-    return encode_request(op, req_id, fields,
-                          (device_ids.astype(dtype, copy=False), host_ids.astype(dtype, copy=False)))
+    """Frames of a transfer request (no epoch stamp)."""
+    return transfer_message(op, req_id, device_ids, host_ids, priority, layerwise).frames()
 
 
 _BATCH_TASK_FIELDS = {"id": int, "op": str, "n": int}
@@ -392,14 +431,20 @@ class BatchItem:
     layerwise: bool = False
 
 
-def encode_batch(req_id: int, items: Sequence[BatchItem]) -> list:
+def batch_message(req_id: int, items: Sequence[BatchItem]) -> Message:
     dtype = _wire_dtype([a for it in items for a in (it.device_ids, it.host_ids)])
     tasks, frames = [], []
     for it in items:
         tasks.append({"id": it.id, "op": it.op.value, "n": int(it.device_ids.shape[0]),
                       **_transfer_fields(it.priority, it.layerwise)})
         frames += [it.device_ids.astype(dtype, copy=False), it.host_ids.astype(dtype, copy=False)]
-    return encode_request(Op.BATCH, req_id, {"ids": dtype, "tasks": tasks}, frames)
+    header = {"v": list(PROTOCOL_VERSION), "id": req_id, "op": Op.BATCH.value, "ids": dtype,
+              "tasks": tasks}
+    return Message(header, frames, epoch_stamped=True)
+
+
+def encode_batch(req_id: int, items: Sequence[BatchItem]) -> list:
+    return batch_message(req_id, items).frames()
 
 
 # --------------------------------------------------------------------------- replies

@@ -31,6 +31,10 @@ class ShmRegion:
         shm = posix_ipc.SharedMemory(name, flags, mode=SHM_MODE, size=size)
         try:
             buf = mmap.mmap(shm.fd, size)
+        except BaseException:
+            if exclusive:
+                unlink_shm(name)
+            raise
         finally:
             shm.close_fd()
         return cls(name, buf, size, creator=True)

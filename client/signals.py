@@ -3,9 +3,10 @@
 One POSIX shm segment per namespace, ``/kvswap.<ns>.signals``, created (and
 later unlinked) by the launcher; daemons, CacheWorkers, clients and
 ``kvswap status`` only attach.  Everything in it is a little-endian u64 slot,
-so every field is written with one aligned store and each field has exactly
-one writing thread (the table below): readers never see a torn value and no
-lock is needed.  Observing the segment never blocks a daemon.
+so every field is written with one aligned store and each field has one
+writing thread (the table below; the engine heartbeat is the exception: every
+CacheWorker writes its current time, and any recent value means alive):
+readers never see a torn value and no lock is needed.  Observing the segment never blocks a daemon.
 
 ::
 
@@ -122,37 +123,48 @@ class Slot:
 
 
 HEADER_FIELDS: tuple[Slot, ...] = (
-    Slot("magic", 0, "launcher (create)", "every attacher", "0x4753504157535653 ('KVSWAPSG')"),
+    Slot("magic", 0, "launcher (create)", "every attacher",
+         "0x475350415753564B ('KVSWAPSG' little-endian)"),
     Slot("layout_version", 1, "launcher (create)", "every attacher", "this layout's version"),
     Slot("tp_size", 2, "launcher (create)", "every attacher", "number of rank blocks"),
     Slot("created_unix_ns", 3, "launcher (create)", "status", "wall-clock creation time"),
-    Slot("launcher_pid", 4, "launcher", "daemons, status", "pid of the supervising launcher"),
-    Slot("engine_heartbeat_ns", 5, "CacheWorker heartbeat thread", "status, daemons",
-         "last engine heartbeat, CLOCK_MONOTONIC ns"),
-    Slot("kvcache_status", 6, "TransferClient", "status, CacheWorker", "KvCacheStatus"),
+    Slot("launcher_pid", 4, "launcher (create)", "daemons (orphan check), next launcher, status",
+         "pid of the supervising launcher"),
+    Slot("engine_heartbeat_ns", 5, "every CacheWorker's heartbeat thread (each writes its "
+         "current time; any recent value means alive)", "launcher, daemons (orphan check), status",
+         "last engine heartbeat, CLOCK_MONOTONIC ns; 0 = never"),
+    Slot("kvcache_status", 6, "rank 0's daemon (clear / restore)", "status, engine",
+         "KvCacheStatus"),
 )
 
 RANK_FIELDS: tuple[Slot, ...] = (
-    Slot("state", 0, "daemon (state machine, under its lock)", "launcher, client, status, barrier",
-         "RankState"),
-    Slot("pid", 1, "daemon main thread", "launcher, status", "daemon process id"),
-    Slot("epoch", 2, "daemon main thread", "client, status", "incremented on every daemon start"),
-    Slot("heartbeat_ns", 3, "daemon heartbeat thread", "launcher, barrier, status",
+    Slot("state", 0, "daemon (state machine, under its lock)",
+         "launcher, supervisor, client, status, barrier", "RankState"),
+    Slot("pid", 1, "daemon main thread", "supervisor, next daemon of the rank, status",
+         "daemon process id"),
+    Slot("epoch", 2, "daemon main thread (+1 at every start)", "client (restart detection), "
+         "daemon (ep check), status", "incremented on every daemon start"),
+    Slot("heartbeat_ns", 3, "daemon heartbeat thread", "supervisor, barrier, client, status",
          "last beat, CLOCK_MONOTONIC ns"),
-    Slot("cache_ready", 4, "daemon executor", "client, status", "1 once caches are attached"),
-    Slot("swap_ready", 5, "daemon executor", "client, status", "1 once host swap space exists"),
-    Slot("inflight", 6, "daemon I/O thread", "status", "accepted tasks not yet answered"),
+    Slot("cache_ready", 4, "daemon control thread", "status", "1 while caches are attached"),
+    Slot("swap_ready", 5, "daemon control thread", "status", "1 while the host pool exists"),
+    Slot("inflight", 6, "daemon I/O thread", "daemon control thread (clear drain), status",
+         "transfer tasks accepted and not yet answered"),
     Slot("completed", 7, "daemon I/O thread", "status", "transfer tasks completed"),
-    Slot("failed", 8, "daemon I/O thread", "status", "transfer tasks rejected or failed"),
+    Slot("failed", 8, "daemon I/O thread", "status",
+         "requests rejected or transfers failed (cancelled tasks not counted)"),
     Slot("bytes_evicted", 9, "daemon I/O thread", "status", "bytes copied device -> host"),
     Slot("bytes_loaded", 10, "daemon I/O thread", "status", "bytes copied host -> device"),
-    Slot("num_device_blocks", 11, "daemon executor", "client, status", "blocks per device tensor"),
-    Slot("num_host_blocks", 12, "daemon executor", "client, status", "blocks per host tensor"),
-    Slot("barrier_arrivals", 13, "the rank's barrier caller", "barrier", "barriers entered"),
-    Slot("last_error", 14, "daemon (any thread, via state machine)", "launcher, status",
+    Slot("num_device_blocks", 11, "daemon control thread", "client (range checks), status",
+         "blocks per device tensor"),
+    Slot("num_host_blocks", 12, "daemon control thread", "client (range checks), status",
+         "blocks per host tensor"),
+    Slot("barrier_arrivals", 13, "the rank's barrier caller (control thread)", "barrier",
+         "barriers entered"),
+    Slot("last_error", 14, "daemon (any thread, via state machine)", "launcher, client, status",
          "ErrorCode of the last failure"),
-    Slot("swap_bytes_total", 15, "daemon executor", "status", "size of the host swap pool"),
-    Slot("swap_bytes_pinned", 16, "daemon executor", "status",
+    Slot("swap_bytes_total", 15, "daemon control thread", "status", "size of the host swap pool"),
+    Slot("swap_bytes_pinned", 16, "daemon control thread", "status",
          "bytes of the pool registered with the GPU so far (cuda backend; host: = total)"),
 )
 
@@ -195,6 +207,23 @@ class R(enum.IntEnum):
 
 def layers_offset(tp_size: int) -> int:
     return RANKS_OFFSET + tp_size * RANK_BYTES
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` runs.  A zombie (exited, not yet reaped) counts as dead."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 def segment_size(tp_size: int) -> int:

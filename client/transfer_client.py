@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import zmq
 
+from kvswap.client.auth import sign, verify
 from kvswap.client.errors import (
     ErrorCode,
     InvalidTask,
@@ -31,24 +32,43 @@ from kvswap.client.errors import (
     NamespaceError,
     NotReady,
     RankFailure,
+    RankRestarted,
     RankTimeout,
     TransferFailed,
 )
-from kvswap.client.naming import Names
+from kvswap.client.naming import Names, tcp_endpoints
 from kvswap.client.protocol import (
+    PROTOCOL_VERSION,
     BatchItem,
+    Message,
     Op,
     Reply,
     as_block_ids,
+    batch_message,
     decode_reply,
-    encode_batch,
-    encode_request,
-    encode_transfer,
+    transfer_message,
     validate_transfer,
 )
 from kvswap.client.signals import R, RankState, SignalSegment, wait_ranks
 
 log = logging.getLogger("kvswap.client")
+
+_WATCH_MS = 20  # how often the I/O thread looks for restarted ranks while work is pending
+
+
+def _overlapping(futures: Sequence["TransferFuture"]) -> set[int]:
+    """Task ids of transfers that share a device or a host block with another one."""
+    with_blocks = [f for f in futures if f.blocks is not None]
+    out: set[int] = set()
+    for side in (0, 1):
+        seen: dict[int, int] = {}
+        for f in with_blocks:
+            assert f.blocks is not None
+            for b in np.unique(f.blocks[side]).tolist():
+                other = seen.setdefault(b, f.task_id)
+                if other != f.task_id:
+                    out.update((other, f.task_id))
+    return out
 
 
 @dataclass(frozen=True)
@@ -91,6 +111,9 @@ class TransferFuture:
                  client: "TransferClient | None" = None):
         self.task_id = task_id
         self._client = client
+        self.message: Message | None = None  # what to send (again, after a restart)
+        self.blocks: tuple[np.ndarray, np.ndarray] | None = None  # (device, host) ids
+        self.retried: set[int] = set()  # ranks this task was re-sent to
         self.op = op
         self.ranks = tuple(ranks)
         self.deadline = deadline
@@ -115,7 +138,9 @@ class TransferFuture:
         failures = [RankFailure(r.rank, r.code, r.message)
                     for r in self._replies.values() if not r.ok]
         if failures:
-            self._finish(error=TransferFailed(self.task_id, self.op.value, failures))
+            cls = (RankRestarted if any(f.code == ErrorCode.RANK_RESTARTED for f in failures)
+                   else TransferFailed)
+            self._finish(error=cls(self.task_id, self.op.value, failures))
         else:
             self._finish(result=TaskResult(self.task_id, self.op.value, dict(self._replies)))
         return True
@@ -200,7 +225,11 @@ class TransferClient:
     """
 
     def __init__(self, namespace: str, tp_size: int, run_root: str | None = None,
-                 task_timeout: float = 60.0):
+                 task_timeout: float = 60.0, tcp: str | None = None,
+                 secret: bytes | None = None):
+        """``tcp="HOST:BASEPORT"`` talks to the ranks' tcp:// listeners instead of their
+        ipc:// sockets, signing every message with ``secret`` (the signal segment is
+        still read from this node's /dev/shm)."""
         self.names = Names.of(namespace, run_root)
         self.tp_size = tp_size
         self.task_timeout = task_timeout
@@ -215,7 +244,13 @@ class TransferClient:
         self._pending: dict[int, TransferFuture] = {}
         self._deadlines: list[tuple[float, int]] = []  # heap, I/O thread only
         self._outbox: collections.deque[
-            tuple[TransferFuture, list, Sequence[TransferFuture]]] = collections.deque()
+            tuple[TransferFuture, Sequence[TransferFuture]]] = collections.deque()
+        # I/O thread only: the epoch each rank had when we last addressed it, ranks
+        # that restarted and are not READY again (their traffic waits in _held).
+        self._epochs = [int(e) for e in self.seg.ranks[:, R.EPOCH]]
+        self._frozen: set[int] = set()
+        self._held: dict[int, list[TransferFuture]] = {r: [] for r in range(tp_size)}
+        self.retried = 0  # tasks re-sent after a rank restart (for operators and tests)
         self._closed = False
         self._ctx = zmq.Context(1)
         addr = f"inproc://kvswap-client-wake-{id(self)}"
@@ -225,13 +260,18 @@ class TransferClient:
         self._wake_tx.setsockopt(zmq.SNDHWM, 1)
         self._wake_tx.connect(addr)
         self._wake_lock = threading.Lock()
+        if tcp is not None and not secret:
+            raise ValueError("a tcp:// client needs the shared secret")
+        self._secret = secret if tcp is not None else None
+        endpoints = (tcp_endpoints(tcp, tp_size) if tcp is not None
+                     else [self.names.endpoint(r) for r in range(tp_size)])
         self._dealers = []
-        for r in range(tp_size):
+        for endpoint in endpoints:
             s = self._ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.SNDHWM, 0)
             s.setsockopt(zmq.RCVHWM, 0)
             s.setsockopt(zmq.LINGER, 0)
-            s.connect(self.names.endpoint(r))
+            s.connect(endpoint)
             self._dealers.append(s)
         self._thread = threading.Thread(target=self._io_loop, name="kvswap-client-io",
                                         daemon=True)
@@ -291,7 +331,7 @@ class TransferClient:
                  for f, t, (dev, host) in zip(futures, tasks, items)]
         carrier = self._new_future(Op.BATCH)
         carrier.add_done_callback(lambda c: self._fail_batch(c, futures))
-        self._enqueue(carrier, encode_batch(carrier.task_id, batch), extra=futures)
+        self._enqueue(carrier, batch_message(carrier.task_id, batch), extra=futures)
         return futures
 
     def submit_swap(self, evict: tuple[Any, Any], load: tuple[Any, Any],
@@ -313,11 +353,13 @@ class TransferClient:
         dev, host = self._check(ld)
         ev_fut = self._transfer(ev)
         ld_fut = self._new_future(Op.LOAD)
+        ld_fut.blocks = (dev, host)
 
         def after_evict(done: TransferFuture) -> None:
             err = done._error
             if err is None:
-                self._enqueue(ld_fut, encode_transfer(Op.LOAD, ld_fut.task_id, dev, host))
+                ld_fut.deadline = time.monotonic() + self.task_timeout  # counts from sending
+                self._enqueue(ld_fut, transfer_message(Op.LOAD, ld_fut.task_id, dev, host))
                 return
             self._pending.pop(ld_fut.task_id, None)
             ld_fut._finish(error=TransferFailed(ld_fut.task_id, "load", [
@@ -339,9 +381,31 @@ class TransferClient:
         """Ask every daemon to stop (normally the launcher's job)."""
         return self._control(Op.SHUTDOWN)
 
+    def pause(self) -> TransferFuture:
+        """Every rank refuses new transfers (code PAUSED); completes once every task
+        accepted before has finished on every rank."""
+        return self._control(Op.PAUSE)
+
+    def resume(self) -> TransferFuture:
+        return self._control(Op.RESUME)
+
+    def clear_caches(self, free_host: bool = False) -> TransferFuture:
+        """For a weight update: every rank drains, releases its device mappings (and
+        its host swap pool if ``free_host``), and reports CLEARED through the shm
+        barrier; the future completes when every rank has.  Transfers meanwhile
+        get code CLEARED."""
+        return self._control(Op.CLEAR, {"free_host": True} if free_host else None)
+
+    def restore_caches(self) -> TransferFuture:
+        """After :meth:`clear_caches`: every rank accepts a new register.  Then each
+        TP worker registers its tensors again and :meth:`wait_ready` returns once
+        every rank has re-attached."""
+        return self._control(Op.RESTORE)
+
     def _control(self, op: Op, fields: dict | None = None) -> TransferFuture:
         fut = self._new_future(op)
-        self._enqueue(fut, encode_request(op, fut.task_id, fields))
+        header = {"v": list(PROTOCOL_VERSION), "id": fut.task_id, "op": op.value, **(fields or {})}
+        self._enqueue(fut, Message(header, []))
         return fut
 
     def _cancel(self, target: TransferFuture) -> TransferFuture:
@@ -360,8 +424,9 @@ class TransferClient:
     def _transfer(self, spec: "TransferSpec") -> TransferFuture:
         dev, host = self._check(spec)
         fut = self._new_future(spec.op)
-        self._enqueue(fut, encode_transfer(spec.op, fut.task_id, dev, host, spec.priority,
-                                           spec.layerwise))
+        fut.blocks = (dev, host)
+        self._enqueue(fut, transfer_message(spec.op, fut.task_id, dev, host, spec.priority,
+                                            spec.layerwise))
         return fut
 
     def _new_future(self, op: Op) -> TransferFuture:
@@ -370,14 +435,15 @@ class TransferClient:
         return TransferFuture(next(self._ids), op, range(self.tp_size),
                               time.monotonic() + self.task_timeout, self)
 
-    def _enqueue(self, fut: TransferFuture, frames: list,
+    def _enqueue(self, fut: TransferFuture, message: Message,
                  extra: Sequence[TransferFuture] = ()) -> None:
-        """Register ``fut`` (and the futures of a batch's tasks) and hand the frames
-        to the I/O thread, which sends them to every rank in enqueue order."""
+        """Register ``fut`` (and the futures of a batch's tasks) and hand the message
+        to the I/O thread, which sends it to every rank in enqueue order."""
+        fut.message = message
         for f in extra:
             self._pending[f.task_id] = f
         self._pending[fut.task_id] = fut
-        self._outbox.append((fut, frames, extra))
+        self._outbox.append((fut, extra))
         self._wake()
 
     def _fail_batch(self, carrier: TransferFuture, futures: Sequence[TransferFuture]) -> None:
@@ -410,6 +476,9 @@ class TransferClient:
             timeout_ms = None
             if self._deadlines:
                 timeout_ms = max(0, int((self._deadlines[0][0] - time.monotonic()) * 1000) + 1)
+            if self._pending or self._frozen:
+                # watch for rank restarts while anything is outstanding
+                timeout_ms = min(timeout_ms if timeout_ms is not None else _WATCH_MS, _WATCH_MS)
             events = dict(poller.poll(timeout_ms))
             if self._wake_rx in events:
                 while True:
@@ -417,6 +486,7 @@ class TransferClient:
                         self._wake_rx.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+            self._watch_ranks()
             self._send_outbox()
             for s in self._dealers:
                 if s in events:
@@ -431,13 +501,66 @@ class TransferClient:
         for s in (*self._dealers, self._wake_rx):
             s.close()
 
+    def _send(self, fut: TransferFuture, ranks: Sequence[int]) -> None:
+        assert fut.message is not None
+        epochs = self._epochs if fut.message.epoch_stamped else None
+        if self._secret is None:
+            frames = fut.message.frames(epochs)
+        else:  # signed, with a fresh timestamp: a re-send is a new message, not a replay
+            frames = sign(self._secret, fut.message.frames(epochs, ts=time.time_ns()))
+        for r in ranks:
+            self._dealers[r].send_multipart(frames, copy=False)
+
     def _send_outbox(self) -> None:
         while self._outbox:
-            fut, frames, extra = self._outbox.popleft()
+            fut, extra = self._outbox.popleft()
             for f in (fut, *extra):
                 heapq.heappush(self._deadlines, (f.deadline, f.task_id))
-            for r in fut.ranks:
-                self._dealers[r].send_multipart(frames, copy=False)
+            for r in self._frozen.intersection(fut.ranks):
+                self._held[r].append(fut)
+            self._send(fut, [r for r in fut.ranks if r not in self._frozen])
+
+    # ------------------------------------------------------------------ restarts
+    def _watch_ranks(self) -> None:
+        """Notice restarted ranks (a new epoch in the signal segment); once such a rank
+        is READY again, re-send what it never answered, then what was held back."""
+        for r in range(self.tp_size):
+            epoch = int(self.seg.ranks[r, R.EPOCH])
+            if epoch != self._epochs[r] and r not in self._frozen:
+                log.warning("rank %d restarted (epoch %d -> %d); holding its traffic until it "
+                            "is READY", r, self._epochs[r], epoch)
+                self._frozen.add(r)
+            if r in self._frozen and self.seg.state_of(r) == RankState.READY:
+                self._epochs[r] = epoch
+                self._frozen.discard(r)
+                self._resend_after_restart(r)
+
+    def _resend_after_restart(self, r: int) -> None:
+        held = {f.task_id for f in self._held[r]}
+        lost = sorted((f for f in self._pending.values()
+                       if r in f.ranks and r not in f._replies and f.task_id not in held),
+                      key=lambda f: f.task_id)
+        unsafe = _overlapping(lost)
+        for fut in lost:
+            if fut.message is None:  # a task of a batch: its batch message was answered
+                why = "its batch was accepted before the restart"
+            elif r in fut.retried:
+                why = "it was already re-sent once"
+            elif fut.task_id in unsafe:
+                why = "it overlaps another task in flight, so a replay could reorder them"
+            else:
+                fut.retried.add(r)
+                self.retried += 1
+                self._send(fut, [r])
+                continue
+            if fut._on_reply(Reply(fut.task_id, r, False, ErrorCode.RANK_RESTARTED,
+                                   f"rank {r} restarted with task {fut.task_id} in flight; "
+                                   f"not retried: {why}")):
+                self._pending.pop(fut.task_id, None)
+        for fut in self._held[r]:
+            if fut.task_id in self._pending:
+                self._send(fut, [r])
+        self._held[r] = []
 
     def _drain_replies(self, sock: zmq.Socket) -> None:
         while True:
@@ -446,10 +569,14 @@ class TransferClient:
             except zmq.Again:
                 return
             try:
+                if self._secret is not None:
+                    frames = verify(self._secret, frames)[1]
                 reply = decode_reply(frames[0])
             except KvswapError as exc:
                 log.warning("dropping bad reply: %s", exc)
                 continue
+            if reply.code == ErrorCode.RANK_RESTARTED:
+                continue  # addressed to a dead incarnation: _watch_ranks re-sends it
             fut = self._pending.get(reply.id) if isinstance(reply.id, int) else None
             if fut is None:
                 log.debug("reply for unknown task %r from rank %d", reply.id, reply.rank)

@@ -8,7 +8,7 @@ backend only maps a rank's caches and moves blocks.  Two implementations:
 from __future__ import annotations
 
 import logging
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import posix_ipc
@@ -104,10 +104,16 @@ class HostBackend:
         self._regions = []
 
 
-def make_backend(kind: str, names: Names, rank: int) -> Backend:
+def make_backend(kind: str, names: Names, rank: int, device: int | None = None,
+                 on_pin_progress: Callable[[int], None] | None = None) -> Backend:
+    """``device`` (cuda: GPU ordinal, else found from the caches' UUID) and
+    ``on_pin_progress`` (cuda: bytes of the swap pool pinned so far) are ignored
+    by the host backend, whose pool needs no pinning."""
     if kind == "host":
         return HostBackend(names, rank)
     if kind == "cuda":
-        raise InvalidTask("the cuda backend is not available in this build",
-                          ErrorCode.BAD_LAYOUT)
+        # Imported here: it needs cupy, which only the cuda backend requires.
+        from kvswap.daemon.cuda_backend import CudaBackend
+
+        return CudaBackend(names, rank, device=device, on_pin_progress=on_pin_progress)
     raise ValueError(f"unknown backend {kind!r} (host, cuda)")

@@ -9,6 +9,14 @@ Scenarios (``kvswap bench <name> [--json]``):
   on, with merging off (the reference), and through the batch API.
 * ``layerwise``: a layer-wise load of L layers: time until layer 0 is ready
   (seen by a waiter, as a TP worker sees it) against the time of the whole load.
+* ``control``: round-trip latency and pipelined tasks/s of 1-block evicts
+  through the whole stack, against a bare ZeroMQ echo floor and a re-creation of
+  the reference design's manager-queue control plane (``bench_refs``).
+* ``data``: GB/s of scattered-block evicts and loads on the host backend against
+  a single-thread ``numpy.copyto`` of the same bytes.
+* ``gpu``: runs ``scripts/bench_gpu.py`` when cupy and a CUDA device are present.
+
+``control`` and ``data`` take ``--plot FILE.png`` (needs the ``plot`` extra).
 """
 
 from __future__ import annotations
@@ -16,15 +24,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections import deque
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
 
 from kvswap.client.layer_progress import LayerProgress
+from kvswap.client.signals import R
 from kvswap.client.transfer_client import TransferClient, TransferSpec
+from kvswap.daemon.bench_refs import (
+    REPLY_TIMEOUT_S,
+    BaselineRef,
+    BenchError,
+    FloorRef,
+    cpu_seconds,
+    measure_latencies_us,
+)
 from kvswap.daemon.launcher import LaunchConfig, Launcher
+from kvswap.kernels.planner import plan_copy
 
 
 class _Namespace:
@@ -147,10 +171,345 @@ def bench_layerwise(args: argparse.Namespace) -> dict:
     }}
 
 
+# ------------------------------------------------------------------ control plane
+
+_TOKEN_HEAD_BYTES = 16 * 128 * 2  # block_tokens=16, head_dim=128, float16: one head
+
+
+def _kv_layout(block_bytes: int, blocks: int) -> str:
+    """One layer, K and V, ``block_bytes`` per block and tensor (a multiple of
+    :data:`_TOKEN_HEAD_BYTES`, made of whole heads)."""
+    return (f"layers=1,block_tokens=16,heads={block_bytes // _TOKEN_HEAD_BYTES},head_dim=128,"
+            f"dtype=float16,blocks={blocks}")
+
+
+# One layer, K and V of 4 KiB per block: a 1-block evict copies 8 KiB (about a
+# microsecond), so the round trip measures the control plane, not the copy.
+CONTROL_BLOCKS = 1024
+CONTROL_BLOCK_BYTES = _TOKEN_HEAD_BYTES
+CONTROL_LAYOUT = _kv_layout(CONTROL_BLOCK_BYTES, CONTROL_BLOCKS)
+_BLOCK_WARMUP = 10  # untimed round trips at the start of every timed block
+
+
+class _ControlSystem(Protocol):
+    """What the control bench drives: kvswap and each reference of ``bench_refs``."""
+
+    name: str
+
+    def roundtrip(self, i: int) -> None: ...
+
+    def tasks_per_s(self, start: int, n: int, window: int) -> float: ...
+
+    def server_pids(self) -> list[int]: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
+class _KvswapControl:
+    """kvswap through its public client: 1-block evicts, waited for on every rank."""
+
+    name = "kvswap"
+
+    def __init__(self, client: TransferClient, blocks: int):
+        self.client = client
+        self.blocks = blocks
+
+    def roundtrip(self, i: int) -> None:
+        b = i % self.blocks
+        self.client.evict([b], [b]).result(REPLY_TIMEOUT_S)
+
+    def tasks_per_s(self, start: int, n: int, window: int) -> float:
+        return _pipelined(self.client, n, window, self.blocks)
+
+    def server_pids(self) -> list[int]:
+        return [int(self.client.seg.ranks[r, R.PID]) for r in range(self.client.tp_size)]
+
+    def pause(self) -> None:
+        """Idle daemons sleep in their poller: nothing to park."""
+
+    def resume(self) -> None:
+        """See :meth:`pause`."""
+
+    def served(self) -> list[int]:
+        """Tasks each rank completed, from the signal segment."""
+        return [int(self.client.seg.ranks[r, R.COMPLETED]) for r in range(self.client.tp_size)]
+
+
+def _rotated(items: Sequence, k: int) -> list:
+    """``items`` starting at ``k``: each round changes who runs first, so a burst
+    of noise does not always hit the same system."""
+    k %= len(items)
+    return [*items[k:], *items[:k]]
+
+
+def _p99(values: list[float]) -> float:
+    return float(np.percentile(values, 99))
+
+
+def _control_row(tp: int, args: argparse.Namespace) -> dict:
+    """Measure kvswap, the floor and the baseline at one TP size, interleaved."""
+    run_dir = tempfile.mkdtemp(prefix="kvb-ref-", dir="/tmp")
+    try:
+        with _Namespace(tp, CONTROL_LAYOUT, CONTROL_BLOCKS, []) as client, \
+                FloorRef(tp, run_dir, CONTROL_BLOCKS) as floor, \
+                BaselineRef(tp, run_dir, CONTROL_BLOCKS, CONTROL_BLOCK_BYTES) as baseline:
+            kvswap = _KvswapControl(client, CONTROL_BLOCKS)
+            systems: list[_ControlSystem] = [kvswap, floor, baseline]
+            sent = {s.name: 0 for s in systems}
+            p50: dict[str, list[float]] = {s.name: [] for s in systems}
+            p99: dict[str, list[float]] = {s.name: [] for s in systems}
+            rate: dict[str, list[float]] = {s.name: [] for s in systems}
+            cpu: dict[str, list[float]] = {s.name: [] for s in systems}
+
+            def latency_block(s: _ControlSystem, n: int) -> list[float]:
+                """Round trips; also CPU per round trip of every process of the system.
+                The bench process counts whole: the other systems' threads in it idle."""
+                s.resume()
+                try:
+                    measure_latencies_us(s.roundtrip, sent[s.name], _BLOCK_WARMUP)
+                    pids = s.server_pids()
+                    c0 = time.process_time() + cpu_seconds(pids)
+                    lat = measure_latencies_us(s.roundtrip, sent[s.name] + _BLOCK_WARMUP, n)
+                    cpu[s.name].append((time.process_time() + cpu_seconds(pids) - c0) / n * 1e6)
+                finally:
+                    s.pause()
+                sent[s.name] += _BLOCK_WARMUP + n
+                return lat
+
+            def pipelined_block(s: _ControlSystem, n: int) -> float:
+                s.resume()
+                try:
+                    r = s.tasks_per_s(sent[s.name], n, args.window)
+                finally:
+                    s.pause()
+                sent[s.name] += n
+                return r
+
+            for s in systems:  # warm-up: code paths, sockets, page tables
+                latency_block(s, args.warmup)
+                pipelined_block(s, 2 * args.window)
+            for k in range(args.rounds):
+                for s in _rotated(systems, k):
+                    lat = latency_block(s, args.samples)
+                    p50[s.name].append(statistics.median(lat))
+                    p99[s.name].append(_p99(lat))
+                for s in _rotated(systems, k):
+                    rate[s.name].append(pipelined_block(s, args.tasks))
+            served = {"kvswap": kvswap.served(), "floor": floor.close(),
+                      "baseline": baseline.close()}
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    for name, counts in served.items():
+        if any(c != sent[name] for c in counts):
+            raise BenchError(f"tp {tp}: {name} ranks served {counts} tasks, "
+                             f"the bench sent {sent[name]}")
+    med = {name: statistics.median(v) for name, v in p50.items()}
+    return {
+        "tp": tp,
+        "kvswap_p50_us": round(med["kvswap"], 1),
+        "kvswap_p99_us": round(statistics.median(p99["kvswap"]), 1),
+        "floor_p50_us": round(med["floor"], 1),
+        "floor_p99_us": round(statistics.median(p99["floor"]), 1),
+        "baseline_p50_us": round(med["baseline"], 1),
+        "baseline_p99_us": round(statistics.median(p99["baseline"]), 1),
+        "kvswap_cpu_us": round(statistics.median(cpu["kvswap"])),
+        "floor_cpu_us": round(statistics.median(cpu["floor"])),
+        "baseline_cpu_us": round(statistics.median(cpu["baseline"])),
+        "kvswap_tasks_per_s": round(statistics.median(rate["kvswap"])),
+        "floor_tasks_per_s": round(statistics.median(rate["floor"])),
+        "baseline_tasks_per_s": round(statistics.median(rate["baseline"])),
+        "p50_vs_floor": round(med["kvswap"] / med["floor"], 2),
+        "baseline_vs_kvswap_p50": round(med["baseline"] / med["kvswap"], 2),
+        "tasks_per_system": sent["kvswap"],  # the same schedule for every system
+    }
+
+
+def bench_control(args: argparse.Namespace) -> dict:
+    return {"control": [_control_row(tp, args) for tp in args.tp]}
+
+
+# ------------------------------------------------------------------ data plane
+
+DATA_SIZES = (4 << 10, 64 << 10, 256 << 10, 1 << 20)
+
+
+def _data_rows(block_bytes: int, args: argparse.Namespace) -> list[dict]:
+    """Scattered evicts and loads of one block size against ``numpy.copyto``, interleaved."""
+    n = max(1, (args.mib << 20) // (2 * block_bytes))  # blocks per task (K and V each)
+    pool = 2 * n  # ids drawn from twice as many blocks: random, non-contiguous sets
+    task_bytes = 2 * n * block_bytes  # per rank
+    src = np.ones(task_bytes, dtype=np.uint8)
+    dst = np.zeros(task_bytes, dtype=np.uint8)  # both written once: no page faults timed
+    rng = np.random.default_rng(args.seed)
+    wall: dict[str, list[float]] = {"memcpy": [], "evict": [], "load": []}
+    busy: dict[str, list[float]] = {"evict": [], "load": []}
+    runs: list[int] = []
+    with _Namespace(args.tp, _kv_layout(block_bytes, pool), pool, []) as client:
+        every = np.arange(pool)
+        client.evict(every, every).result(REPLY_TIMEOUT_S)  # fault in every page once
+        client.load(every, every).result(REPLY_TIMEOUT_S)
+        for k in range(args.rounds):
+            dev = rng.permutation(pool)[:n]
+            host = rng.permutation(pool)[:n]
+            runs.append(plan_copy(dev, host).num_runs)
+            for what in _rotated(("memcpy", "evict", "load"), k):
+                t0 = time.perf_counter()
+                if what == "memcpy":
+                    np.copyto(dst, src)
+                    wall[what].append(time.perf_counter() - t0)
+                    continue
+                fut = client.evict(dev, host) if what == "evict" else client.load(host, dev)
+                res = fut.result(REPLY_TIMEOUT_S)
+                wall[what].append(time.perf_counter() - t0)
+                moved = [int(r.fields["bytes"]) for r in res.replies.values()]
+                if any(m != task_bytes for m in moved):
+                    raise BenchError(f"{what} of {n} blocks of {block_bytes} B: ranks report "
+                                     f"{moved} bytes, expected {task_bytes} each")
+                busy[what].append(max(r.exec_us for r in res.replies.values()) / 1e6)
+    memcpy = task_bytes / statistics.median(wall["memcpy"]) / 1e9
+    rows = []
+    for op in ("evict", "load"):
+        e2e = task_bytes / statistics.median(wall[op]) / 1e9
+        exe = task_bytes / statistics.median(busy[op]) / 1e9
+        rows.append({"block_bytes": block_bytes, "op": op, "tp": args.tp, "blocks": n,
+                     "runs": int(statistics.median(runs)), "task_bytes": task_bytes,
+                     "kvswap_gbps": round(e2e, 2), "kvswap_exec_gbps": round(exe, 2),
+                     "memcpy_gbps": round(memcpy, 2), "ratio": round(e2e / memcpy, 2),
+                     "exec_ratio": round(exe / memcpy, 2)})
+    return rows
+
+
+def bench_data(args: argparse.Namespace) -> dict:
+    return {"data": [row for bb in args.sizes for row in _data_rows(bb, args)]}
+
+
+# ------------------------------------------------------------------ plots
+
+_PLOT_SIZE_IN = (6.0, 3.0)
+_PLOT_DPI = 100
+_COLORS = {"kvswap": "#1f77b4", "floor": "#7f7f7f", "baseline": "#d62728", "memcpy": "#7f7f7f",
+           "exec": "#aec7e8"}
+
+
+def _require_matplotlib() -> str | None:
+    """None when matplotlib can be imported, else the error to print."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return "--plot needs matplotlib: pip install 'kvswap[plot]'"
+    return None
+
+
+def _bars(ax, groups: list[str], series: dict[str, list[float]], colors: list[str]) -> None:
+    """Grouped bars: one group per x label, one bar per series."""
+    width = 0.8 / len(series)
+    xs = np.arange(len(groups))
+    for k, ((label, values), color) in enumerate(zip(series.items(), colors)):
+        ax.bar(xs + (k - (len(series) - 1) / 2) * width, values, width, label=label, color=color)
+    ax.set_xticks(xs, groups)
+    ax.tick_params(labelsize=7)
+
+
+def _save(fig, ax, path: str) -> None:
+    """One legend under both panels (inside, it would hide a bar), then the PNG."""
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=_PLOT_DPI)
+
+
+def plot_control(result: dict, path: str) -> None:
+    from matplotlib.figure import Figure
+
+    rows = result["control"]
+    groups = [f"tp {r['tp']}" for r in rows]
+    names = ("kvswap", "floor", "baseline")
+    colors = [_COLORS[n] for n in names]
+    fig = Figure(figsize=_PLOT_SIZE_IN, dpi=_PLOT_DPI)
+    lat, thr = fig.subplots(1, 2)
+    _bars(lat, groups, {n: [r[f"{n}_p50_us"] for r in rows] for n in names}, colors)
+    lat.set_title("1-block evict round trip, p50 (µs)", fontsize=8)
+    _bars(thr, groups, {n: [r[f"{n}_tasks_per_s"] for r in rows] for n in names}, colors)
+    thr.set_title("pipelined tasks/s", fontsize=8)
+    _save(fig, lat, path)
+
+
+def plot_data(result: dict, path: str) -> None:
+    from matplotlib.figure import Figure
+
+    rows = result["data"]
+    fig = Figure(figsize=_PLOT_SIZE_IN, dpi=_PLOT_DPI)
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, op in zip(axes, ("evict", "load")):
+        mine = [r for r in rows if r["op"] == op]
+        groups = [f"{r['block_bytes'] >> 10} KiB" for r in mine]
+        _bars(ax, groups, {"kvswap": [r["kvswap_gbps"] for r in mine],
+                           "kvswap exec": [r["kvswap_exec_gbps"] for r in mine],
+                           "memcpy": [r["memcpy_gbps"] for r in mine]},
+              [_COLORS["kvswap"], _COLORS["exec"], _COLORS["memcpy"]])
+        ax.set_title(f"scattered {op}, GB/s per rank", fontsize=8)
+    _save(fig, axes[0], path)
+
+
+# ------------------------------------------------------------------ gpu
+
+GPU_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_gpu.py"
+NO_GPU_MESSAGE = "no CUDA device: kvswap bench gpu needs cupy and a GPU"
+
+
+def _gpu_unavailable() -> str | None:
+    """Why the GPU bench cannot run here, or None."""
+    try:
+        import cupy
+    except ImportError as exc:
+        return f"cupy cannot be imported: {exc}"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        return f"CUDA runtime: {exc}"
+    return None if count > 0 else "cupy sees no device"
+
+
+def run_gpu(args: argparse.Namespace) -> int:
+    """Run ``scripts/bench_gpu.py`` with this interpreter; exit 2 without a GPU."""
+    why = _gpu_unavailable()
+    if why is not None:
+        print(f"{NO_GPU_MESSAGE} ({why})", file=sys.stderr)
+        return 2
+    if not GPU_SCRIPT.is_file():
+        print(f"kvswap bench gpu: {GPU_SCRIPT} not found (it ships with a source checkout)",
+              file=sys.stderr)
+        return 2
+    cmd = [sys.executable, str(GPU_SCRIPT), *(["--json"] if args.json else [])]
+    return subprocess.run(cmd, check=False).returncode
+
+
 # ------------------------------------------------------------------ CLI
 
 SCENARIOS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
                            Callable[[argparse.Namespace], dict], str]] = {}
+PLOTS: dict[str, Callable[[dict, str], None]] = {"control": plot_control, "data": plot_data}
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a list like 1,2,4, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _block_sizes(text: str) -> list[int]:
+    sizes = _int_list(text)
+    bad = [s for s in sizes if s % _TOKEN_HEAD_BYTES]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"block sizes must be multiples of {_TOKEN_HEAD_BYTES} bytes, got {bad}")
+    return sizes
 
 
 def _args_tasks(p: argparse.ArgumentParser) -> None:
@@ -166,9 +525,34 @@ def _args_layerwise(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=15)
 
 
+def _args_control(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=_int_list, default=[1, 2], help="TP sizes, e.g. 1,2,4")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds; each measures every system once, in rotating order")
+    p.add_argument("--samples", type=int, default=200, help="round trips per system and round")
+    p.add_argument("--tasks", type=int, default=1000,
+                   help="pipelined tasks per system and round")
+    p.add_argument("--window", type=int, default=64, help="pipelined tasks in flight")
+    p.add_argument("--warmup", type=int, default=100, help="untimed round trips first")
+
+
+def _args_data(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sizes", type=_block_sizes, default=list(DATA_SIZES),
+                   help="bytes per block and tensor (multiples of 4096), e.g. 4096,65536")
+    p.add_argument("--mib", type=int, default=64, help="MiB moved per task and rank")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random block sets")
+
+
 SCENARIOS["tasks"] = (_args_tasks, bench_tasks, "tasks/s of small tasks: merging, batching")
 SCENARIOS["layerwise"] = (_args_layerwise, bench_layerwise,
                           "time to the first layer vs the whole layer-wise load")
+SCENARIOS["control"] = (_args_control, bench_control,
+                        "1-block evict round trip and tasks/s vs a ZeroMQ floor and the "
+                        "reference design's manager queue")
+SCENARIOS["data"] = (_args_data, bench_data,
+                     "GB/s of scattered-block evicts and loads vs numpy.copyto")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -178,6 +562,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         sp = bsub.add_parser(name, help=help_text)
         add_args(sp)
         sp.add_argument("--json", action="store_true", help="print one JSON object")
+        if name in PLOTS:
+            sp.add_argument("--plot", metavar="FILE.png", default=None,
+                            help="also draw the result as a small PNG (needs matplotlib)")
+    gp = bsub.add_parser("gpu", help="run scripts/bench_gpu.py (needs cupy and a CUDA device; "
+                                     "exit status 2 without one)")
+    gp.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _table(result: dict) -> str:
@@ -193,6 +583,20 @@ def _table(result: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = SCENARIOS[args.scenario][1](args)
+    if args.scenario == "gpu":
+        return run_gpu(args)
+    plot_path = getattr(args, "plot", None)
+    if plot_path is not None:
+        missing = _require_matplotlib()
+        if missing is not None:  # before minutes of measuring, not after
+            print(f"kvswap bench {args.scenario}: {missing}", file=sys.stderr)
+            return 2
+    try:
+        result = SCENARIOS[args.scenario][1](args)
+    except BenchError as exc:
+        print(f"kvswap bench {args.scenario}: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps(result) if args.json else _table(result), flush=True)
+    if plot_path is not None:
+        PLOTS[args.scenario](result, plot_path)
     return 0

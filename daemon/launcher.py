@@ -25,8 +25,8 @@ from typing import Callable
 import posix_ipc
 import zmq
 
-from kvswap.client.errors import NamespaceError, NotReady, RankTimeout
-from kvswap.client.naming import Names
+from kvswap.client.errors import ErrorCode, KvswapError, NamespaceError, NotReady, RankTimeout
+from kvswap.client.naming import Names, tcp_endpoints
 from kvswap.client.protocol import Op, encode_request
 from kvswap.client.signals import (
     H,
@@ -34,9 +34,13 @@ from kvswap.client.signals import (
     RankState,
     SignalSegment,
     create_semaphores,
+    now_ns,
+    pid_alive,
     poll_until,
     unlink_semaphores,
 )
+
+from kvswap.daemon.supervisor import Supervisor, SupervisorConfig
 
 log = logging.getLogger("kvswap.launcher")
 
@@ -55,6 +59,10 @@ class LaunchConfig:
     stop_timeout_s: float = 10.0
     daemon_args: list[str] = field(default_factory=list)  # extra kvswapd flags
     log_level: str = "INFO"
+    supervision: SupervisorConfig = field(default_factory=SupervisorConfig)
+    engine_timeout_s: float = 60.0  # engine heartbeat seen, then silent this long: tear down
+    tcp: str | None = None  # "HOST:BASEPORT": rank r also listens on tcp://HOST:BASEPORT+r
+    secret_file: str | None = None  # required with tcp
 
 
 def log_tail(path: Path, lines: int = 15) -> str:
@@ -84,15 +92,6 @@ def sweep_namespace(names: Names) -> list[str]:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 class Launcher:
     def __init__(self, cfg: LaunchConfig):
@@ -100,6 +99,10 @@ class Launcher:
             raise ValueError(f"--tp must be >= 1, got {cfg.tp}")
         if cfg.host_blocks < 1:
             raise ValueError(f"--host-blocks must be >= 1, got {cfg.host_blocks}")
+        if cfg.tcp is not None:
+            tcp_endpoints(cfg.tcp, cfg.tp)
+            if not cfg.secret_file:
+                raise ValueError("--tcp needs --secret-file")
         if cfg.devices is not None and len(cfg.devices) != cfg.tp:
             raise ValueError(f"--devices names {len(cfg.devices)} devices for --tp {cfg.tp}")
         self.cfg = cfg
@@ -107,6 +110,7 @@ class Launcher:
         self.log_dir = Path(cfg.log_dir) if cfg.log_dir else self.names.run_dir
         self.procs: list[subprocess.Popen] = []
         self.seg: SignalSegment | None = None
+        self.supervisor: Supervisor | None = None
         self._stopped = False
 
     # ------------------------------------------------------------------ start
@@ -124,7 +128,7 @@ class Launcher:
                 ) from None
             pid = int(other.header[H.LAUNCHER_PID])
             other.close()
-            if pid and pid != os.getpid() and _pid_alive(pid):
+            if pid and pid != os.getpid() and pid_alive(pid):
                 raise NamespaceError(
                     f"namespace {self.names.namespace!r} is in use by launcher pid {pid}; "
                     f"stop it first or choose another --namespace")
@@ -159,6 +163,9 @@ class Launcher:
             cmd += ["--device", str(c.devices[rank])]
         if c.demo_caches is not None:
             cmd += ["--demo-caches", c.demo_caches] if c.demo_caches else ["--demo-caches"]
+        if c.tcp is not None:
+            cmd += ["--listen-tcp", tcp_endpoints(c.tcp, c.tp)[rank],
+                    "--secret-file", str(c.secret_file)]
         return cmd + list(c.daemon_args)
 
     def _spawn(self, rank: int) -> subprocess.Popen:
@@ -189,15 +196,19 @@ class Launcher:
         return ", ".join(f"rank {r} {self.seg.state_of(r).name}" for r in range(self.cfg.tp))
 
     def wait_ready(self, timeout: float | None = None,
-                   on_progress: Callable[[str], None] | None = None) -> None:
+                   on_progress: Callable[[str], None] | None = None,
+                   stop: Callable[[], bool] | None = None) -> None:
         """Wait until every rank is READY.  Fails fast, naming the rank and its log,
-        if a daemon exits or reports FAILED; raises :class:`RankTimeout` at the deadline."""
+        if a daemon exits or reports FAILED; raises :class:`RankTimeout` at the deadline
+        and :class:`KvswapError` (SHUTTING_DOWN) as soon as ``stop()`` is true."""
         assert self.seg is not None
         timeout = self.cfg.ready_timeout_s if timeout is None else timeout
         last = ""
 
         def check() -> bool | None:
             nonlocal last
+            if stop is not None and stop():
+                raise KvswapError("interrupted while waiting for READY", ErrorCode.SHUTTING_DOWN)
             for r, rc in self.dead_ranks():
                 path = self.names.log_path(r, self.log_dir)
                 raise NotReady(f"rank {r} exited with status {rc} before READY; log {path}:\n"
@@ -218,6 +229,33 @@ class Launcher:
             missing = [r for r in range(self.cfg.tp) if self.seg.state_of(r) != RankState.READY]
             raise RankTimeout(f"ranks not READY after {timeout:.1f}s: "
                               + "; ".join(self._describe(r) for r in missing))
+
+    # ------------------------------------------------------------------ supervise
+    def _respawn(self, rank: int) -> subprocess.Popen:
+        proc = self._spawn(rank)
+        self.procs[rank] = proc
+        return proc
+
+    def supervise_once(self) -> str | None:
+        """One supervision pass (call every ~200 ms once READY): restart dead or silent
+        daemons with back-off.  Returns why the namespace must be torn down (a rank is
+        FATAL, or the engine stopped beating), else None."""
+        assert self.seg is not None
+        if self.supervisor is None:
+            self.supervisor = Supervisor(self.seg, self.procs, self._respawn,
+                                         self.cfg.supervision)
+        self.supervisor.step()
+        fatal = self.supervisor.fatal()
+        if fatal:
+            return "; ".join(f"rank {rp.rank} is FATAL after {rp.retries} failed restarts "
+                             f"(log {self.names.log_path(rp.rank, self.log_dir)})"
+                             for rp in fatal)
+        beat = int(self.seg.header[H.ENGINE_HEARTBEAT_NS])
+        if beat and self.cfg.engine_timeout_s > 0:
+            age = (now_ns() - beat) / 1e9
+            if age > self.cfg.engine_timeout_s:
+                return f"the engine stopped beating {age:.0f}s ago (its workers are gone)"
+        return None
 
     # ------------------------------------------------------------------ stop
     def _send_shutdown(self, ranks: list[int]) -> None:

@@ -33,6 +33,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stale-after", type=float, default=5.0,
                    help="a peer whose heartbeat is older than this aborts barriers (default 5)")
     p.add_argument("--max-message-bytes", type=int, default=64 << 20)
+    p.add_argument("--workers", type=int, default=2,
+                   help="transfer worker threads (evicts and loads run concurrently; default 2)")
+    p.add_argument("--no-merge", action="store_true",
+                   help="never merge independent queued tasks into one copy pass")
+    p.add_argument("--max-merge-blocks", type=int, default=4096,
+                   help="most blocks one merged copy pass may carry (default 4096)")
+    p.add_argument("--listen-tcp", default=None, metavar="tcp://HOST:PORT",
+                   help="also accept requests on this tcp:// address; every message on it must "
+                        "be HMAC-SHA256 signed with --secret-file (ipc:// only by default)")
+    p.add_argument("--secret-file", default=None,
+                   help="shared secret for --listen-tcp (mode 0600, >= 16 bytes)")
+    p.add_argument("--replay-window", type=float, default=60.0,
+                   help="signed requests must be this fresh; replays inside it are refused")
+    p.add_argument("--orphan-timeout", type=float, default=30.0,
+                   help="exit when the launcher is gone and the engine heartbeat has been "
+                        "silent (or absent) this long (default 30)")
+    p.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="clear: how long to wait for accepted tasks to finish (default 60)")
+    p.add_argument("--inline-max-bytes", type=int, default=256 << 10,
+                   help="a task of at most this many bytes that is ready while nothing else "
+                        "is queued runs on the I/O thread, skipping two thread hand-offs "
+                        "(0 disables; default 262144)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -44,8 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     # thing to look at when a daemon seems stuck.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     log = logging.getLogger("kvswap.daemon")
-    if args.host_blocks <= 0:
-        log.error("--host-blocks must be positive")
+    for name in ("host_blocks", "workers", "max_merge_blocks"):
+        if getattr(args, name) <= 0:
+            log.error("--%s must be positive", name.replace("_", "-"))
+            return 2
+    if args.listen_tcp and not args.listen_tcp.startswith("tcp://"):
+        log.error("--listen-tcp must be a tcp://HOST:PORT address")
         return 2
     if args.demo_caches is not None:
         try:
@@ -58,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         run_root=args.run_root, host_blocks=args.host_blocks, demo_caches=args.demo_caches,
         attach_timeout_s=args.attach_timeout, heartbeat_interval_s=args.heartbeat_interval,
         stale_after_s=args.stale_after, max_message_bytes=args.max_message_bytes,
-        device=args.device,
+        device=args.device, workers=args.workers, merge=not args.no_merge,
+        max_merge_blocks=args.max_merge_blocks, inline_max_bytes=args.inline_max_bytes,
+        orphan_timeout_s=args.orphan_timeout, drain_timeout_s=args.drain_timeout,
+        listen_tcp=args.listen_tcp, secret_file=args.secret_file,
+        replay_window_s=args.replay_window,
     )
     try:
         return Daemon(cfg).run()

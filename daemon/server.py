@@ -33,11 +33,14 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import Callable
 
+import msgpack
 import numpy as np
 import zmq
 
+from kvswap.client.auth import AuthFailed, ReplayGuard, load_secret, sign, verify
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, NotReady
 from kvswap.client.layer_progress import LayerProgress
 from kvswap.client.layout import TensorDesc, demo_layout, validate_layout
@@ -53,12 +56,23 @@ from kvswap.client.protocol import (
     decode_request,
     decode_transfer,
     encode_reply,
+    packb,
     validate_transfer,
 )
 from kvswap.client.shm_region import ShmRegion
-from kvswap.client.signals import Barrier, R, RankState, SignalSegment, now_ns
+from kvswap.client.signals import (
+    H,
+    Barrier,
+    KvCacheStatus,
+    R,
+    RankState,
+    SignalSegment,
+    now_ns,
+    pid_alive,
+    poll_until,
+)
 from kvswap.daemon.backend import Backend, make_backend
-from kvswap.daemon.scheduler import Scheduler, Task, concat_ids
+from kvswap.daemon.scheduler import Scheduler, Task, TaskState, concat_ids
 from kvswap.daemon.state import StateMachine
 from kvswap.daemon.swap_space import HostSwapSpace
 
@@ -87,16 +101,33 @@ class DaemonConfig:
     workers: int = 2  # transfer worker threads
     merge: bool = True  # merge independent queued tasks of one direction
     max_merge_blocks: int = 4096
+    inline_max_bytes: int = 256 << 10  # ready tasks up to this size may run on the I/O thread
+    orphan_timeout_s: float = 30.0  # launcher gone + engine silent this long: exit
+    listen_tcp: str | None = None  # optional tcp://host:port listener (signed traffic only)
+    secret_file: str | None = None  # shared secret for the tcp listener
+    replay_window_s: float = 60.0
+    drain_timeout_s: float = 60.0  # clear: wait this long for accepted tasks to finish
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a request came from: the socket, the peer's ROUTER identity, and whether
+    the channel is signed (tcp://) so the reply must be too."""
+
+    sock: zmq.Socket
+    ident: bytes
+    signed: bool = False
 
 
 @dataclass
 class Job:
-    ident: bytes | None  # ROUTER identity of the requester; None for internal jobs
+    route: Route | None  # where the reply goes; None for internal jobs
     req_id: int
     op: Op
     t_recv: int
     header: dict = field(default_factory=dict)
     tensors: list[TensorDesc] = field(default_factory=list)
+    rejoin: bool = False  # re-attach after a restart: the other ranks are READY, no barrier
 
 
 @dataclass
@@ -112,11 +143,12 @@ class Completion:
 
 @dataclass(frozen=True)
 class Handler:
-    """``run`` answers an INLINE op in the I/O thread (returning reply fields) or
-    executes a SERIAL job on the control thread; TRANSFER ops have ``admit`` only,
-    which validates in the I/O thread and hands the task to the scheduler."""
+    """``run`` answers an INLINE op in the I/O thread (returning reply fields, or None
+    when the reply comes later) or executes a SERIAL job on the control thread;
+    TRANSFER ops have ``admit`` only, which validates in the I/O thread and hands the
+    task to the scheduler."""
 
-    run: Callable[[Job, Request | None], dict] | None = None
+    run: Callable[[Job, Request | None], dict | None] | None = None
     admit: Callable[[Job, Request | None], None] | None = None
 
 
@@ -137,7 +169,12 @@ class Daemon:
         self._hb_stop = threading.Event()
         self._swap: HostSwapSpace | None = None
         self._scheduler: Scheduler | None = None
-        self._demo_regions: list[ShmRegion] = []
+        self._demo_regions: dict[str, ShmRegion] = {}
+        self._pause_waiters: list[Job] = []  # pause requests answered once drained
+        if cfg.listen_tcp and not cfg.secret_file:
+            raise DaemonError("a tcp:// listener needs --secret-file (HMAC-SHA256 shared secret)")
+        self._secret = load_secret(cfg.secret_file) if cfg.listen_tcp else b""
+        self._replays = ReplayGuard(cfg.replay_window_s)
         self._num_device_blocks = 0
         self._num_host_blocks = 0
         self._block_bytes = 0  # bytes of one block over every tensor
@@ -148,6 +185,10 @@ class Daemon:
             Op.LOAD: Handler(admit=self._admit_transfer),
             Op.BATCH: Handler(run=self._run_batch),
             Op.CANCEL: Handler(run=self._run_cancel),
+            Op.PAUSE: Handler(run=self._run_pause),
+            Op.RESUME: Handler(run=self._run_resume),
+            Op.CLEAR: Handler(run=self._run_clear, admit=self._admit_clear),
+            Op.RESTORE: Handler(run=self._run_restore),
             Op.PING: Handler(run=self._run_ping),
             Op.STATS: Handler(run=self._run_stats),
             Op.SHUTDOWN: Handler(run=self._run_shutdown),
@@ -162,7 +203,9 @@ class Daemon:
     # ================================================================ life cycle
     def run(self) -> int:
         self._open_signals()
-        self.backend: Backend = make_backend(self.cfg.backend, self.names, self.rank)
+        self.backend: Backend = make_backend(self.cfg.backend, self.names, self.rank,
+                                             device=self.cfg.device,
+                                             on_pin_progress=self._on_pin_progress)
         self.sm = StateMachine(self.sig)
         self.sm.to(RankState.STARTING)
         self._hb_thread = threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True)
@@ -182,8 +225,7 @@ class Daemon:
         log.info("serving %s (backend %s, tp %d, host blocks %d, epoch %d, pid %d)",
                  self.names.endpoint(self.rank), self.cfg.backend, self.cfg.tp_size,
                  self.cfg.host_blocks, self.sig[R.EPOCH], os.getpid())
-        if self.cfg.demo_caches is not None:
-            self._create_demo_caches()
+        self._attach_on_start()
         status = 0
         try:
             self._io_loop()
@@ -206,13 +248,14 @@ class Daemon:
         sig = self.seg.rank(self.rank)
         other = sig[R.PID]
         if (self.seg.state_of(self.rank) in _LIVE_STATES and other and other != os.getpid()
-                and _pid_alive(other)):
+                and pid_alive(other)):
             raise DaemonError(f"rank {self.rank} of namespace {self.cfg.namespace!r} is already "
                               f"served by pid {other}")
         self.sig = sig
         sig[R.STATE] = RankState.ABSENT
         sig[R.PID] = os.getpid()
         sig.add(R.EPOCH, 1)
+        self._epoch = sig[R.EPOCH]
         for f in (R.CACHE_READY, R.SWAP_READY, R.INFLIGHT, R.LAST_ERROR, R.SWAP_BYTES_TOTAL,
                   R.SWAP_BYTES_PINNED):
             sig[f] = 0
@@ -225,6 +268,14 @@ class Daemon:
         self.router.setsockopt(zmq.LINGER, 2000)
         self.router.bind(self.names.endpoint(self.rank))
         os.chmod(self.names.endpoint_path(self.rank), 0o600)
+        self.tcp_router: zmq.Socket | None = None
+        if self.cfg.listen_tcp:
+            self.tcp_router = self.ctx.socket(zmq.ROUTER)
+            self.tcp_router.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
+            self.tcp_router.setsockopt(zmq.LINGER, 2000)
+            self.tcp_router.bind(self.cfg.listen_tcp)
+            log.info("also listening on %s (HMAC-SHA256 signed messages only)",
+                     self.cfg.listen_tcp)
         addr = f"inproc://kvswap-done-{id(self)}"
         self._done_rx = self.ctx.socket(zmq.PAIR)
         self._done_rx.bind(addr)
@@ -240,9 +291,34 @@ class Daemon:
             signal.signal(s, lambda *_: None)
 
     def _heartbeat(self) -> None:
+        next_orphan_check = 0.0
         while not self._hb_stop.is_set():
             self.sig[R.HEARTBEAT_NS] = now_ns()
+            if time.monotonic() >= next_orphan_check:
+                next_orphan_check = time.monotonic() + 1.0
+                why = self._orphaned()
+                if why:
+                    log.warning("orphaned: %s; exiting", why)
+                    os.kill(os.getpid(), signal.SIGTERM)  # the normal, clean stop path
+                    return
             self._hb_stop.wait(self.cfg.heartbeat_interval_s)
+
+    def _orphaned(self) -> str | None:
+        """Why this daemon has nobody left to serve, or None.
+
+        Orphaned = the launcher is gone AND the engine's heartbeat is older than
+        ``orphan_timeout_s`` (or never came).  Either one alone is not enough: an
+        engine may outlive a crashed launcher, and a launcher may wait for an
+        engine that is still loading."""
+        launcher = int(self.seg.header[H.LAUNCHER_PID])
+        if pid_alive(launcher):
+            return None
+        beat = int(self.seg.header[H.ENGINE_HEARTBEAT_NS])
+        age = (now_ns() - beat) / 1e9 if beat else None
+        if age is not None and age <= self.cfg.orphan_timeout_s:
+            return None
+        engine = "never beat" if age is None else f"silent for {age:.0f}s"
+        return f"launcher pid {launcher} is gone and the engine heartbeat {engine}"
 
     def _begin_stop(self, why: str) -> None:
         if self._stopping:
@@ -273,15 +349,17 @@ class Daemon:
         if self._swap is not None:
             self._swap.close(unlink=True)
             self._swap = None
-        for region in self._demo_regions:
+        for region in self._demo_regions.values():
             region.unlink()
             region.close()
-        self._demo_regions = []
+        self._demo_regions = {}
+        self._registration_path().unlink(missing_ok=True)
         signal.set_wakeup_fd(-1)
         self._sig_r.close()
         self._sig_w.close()
-        for s in (self._done_tx, self._done_rx, self.router):
-            s.close()
+        for s in (self._done_tx, self._done_rx, self.router, self.tcp_router):
+            if s is not None:
+                s.close()
         if self.sm.state is RankState.STOPPING:
             self.sm.to(RankState.STOPPED)
         self._close_process_resources()
@@ -300,6 +378,8 @@ class Daemon:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self._done_rx, zmq.POLLIN)
         poller.register(self._sig_r, zmq.POLLIN)
+        if self.tcp_router is not None:
+            poller.register(self.tcp_router, zmq.POLLIN)
         while True:
             if self._stopping and self._workers_done():
                 self._flush_completions()
@@ -312,44 +392,61 @@ class Daemon:
                     self._begin_stop(f"signal {', '.join(stops)}")
             if self._done_rx in events:
                 self._flush_completions()
-            if self.router in events:
+            for sock, signed in ((self.router, False), (self.tcp_router, True)):
+                if sock is None or sock not in events:
+                    continue
                 for _ in range(256):  # bounded, so completions are not starved
                     try:
-                        frames = self.router.recv_multipart(zmq.NOBLOCK, copy=False)
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._on_request(frames)
+                    self._on_request(frames, sock, signed)
 
-    def _reply(self, ident: bytes | None, req_id: int | None, code: ErrorCode, message: str = "",
+    def _reply(self, route: Route | None, req_id: int | None, code: ErrorCode, message: str = "",
                queued_us: float = 0.0, exec_us: float = 0.0, fields: dict | None = None) -> None:
-        if ident is None:
+        if route is None:
             return
         body = encode_reply(req_id, self.rank, code, message, queued_us, exec_us, **(fields or {}))
-        self.router.send_multipart([ident, body], copy=False)
+        frames = sign(self._secret, [body]) if route.signed else [body]
+        route.sock.send_multipart([route.ident, *frames], copy=False)
 
-    def _reject(self, ident: bytes | None, req_id: int | None, op: str, exc: KvswapError) -> None:
+    def _reject(self, route: Route | None, req_id: int | None, op: str, exc: KvswapError) -> None:
         log.warning("rejected %s %s: %s", op, req_id, exc)
         self.sig.add(R.FAILED, 1)
-        self._reply(ident, req_id, exc.code, exc.message)
+        self._reply(route, req_id, exc.code, exc.message)
 
-    def _on_request(self, frames: list) -> None:
+    def _on_request(self, frames: list, sock: zmq.Socket, signed: bool) -> None:
         t_recv = time.perf_counter_ns()
-        ident = frames[0].bytes
+        route = Route(sock, frames[0].bytes, signed)
+        body = [f.buffer for f in frames[1:]]
         try:
-            req = decode_request([f.buffer for f in frames[1:]])
+            if signed:
+                digest, body = verify(self._secret, body)
+            req = decode_request(body)
+            if signed:
+                self._replays.check(digest, req.header.get("ts"))
         except RequestError as exc:
-            self._reject(ident, exc.req_id, "request", exc)
+            self._reject(route, exc.req_id, "request", exc)
             return
-        job = Job(ident, req.id, req.op, t_recv, req.header)
+        except AuthFailed as exc:
+            self._reject(route, None, "request", exc)
+            return
+        job = Job(route, req.id, req.op, t_recv, req.header)
         handler = self._handlers[req.op]
         try:
             if handler.admit is None:
                 assert handler.run is not None
-                self._reply(ident, req.id, ErrorCode.OK, fields=handler.run(job, req))
+                fields = handler.run(job, req)
+                if fields is not None:
+                    self._reply(route, req.id, ErrorCode.OK, fields=fields)
             else:
                 handler.admit(job, req)
         except KvswapError as exc:
-            self._reject(ident, req.id, req.op.value, exc)
+            self._reject(route, req.id, req.op.value, exc)
+        except Exception as exc:  # a bug must cost one request, never the daemon
+            log.exception("%s %s failed unexpectedly", req.op.value, req.id)
+            self._reject(route, req.id, req.op.value,
+                         KvswapError(f"{type(exc).__name__}: {exc}", ErrorCode.INTERNAL_ERROR))
 
     def _complete(self, c: Completion) -> None:
         """Hand a completion to the I/O thread (any thread)."""
@@ -366,26 +463,46 @@ class Daemon:
         while self._done:
             c = self._done.popleft()
             job = c.job
-            if job.ident is not None or job.op is not Op.REGISTER:
-                self.sig.add(R.INFLIGHT, -1)
             if job.op in (Op.EVICT, Op.LOAD):
+                self.sig.add(R.INFLIGHT, -1)
                 if c.code == ErrorCode.OK:
                     self.sig.add(R.COMPLETED, 1)
                     self.sig.add(R.BYTES_EVICTED if job.op is Op.EVICT else R.BYTES_LOADED,
                                  c.nbytes)
                 elif c.code != ErrorCode.CANCELLED:
                     self.sig.add(R.FAILED, 1)
-            self._reply(job.ident, job.req_id, c.code, c.message,
+            self._reply(job.route, job.req_id, c.code, c.message,
                         queued_us=(c.t_start - job.t_recv) / 1e3,
                         exec_us=(c.t_end - c.t_start) / 1e3, fields=c.fields)
+        self._answer_pause_waiters()
+
+    def _answer_pause_waiters(self) -> None:
+        if self._pause_waiters and self.sig[R.INFLIGHT] == 0:
+            for job in self._pause_waiters:
+                self._reply(job.route, job.req_id, ErrorCode.OK)
+            self._pause_waiters = []
 
     # ================================================================ transfers
     def _check_serving(self) -> None:
         if self._stopping:
             raise KvswapError(f"rank {self.rank} is shutting down", ErrorCode.SHUTTING_DOWN)
         state = self.sm.state
+        if state is RankState.PAUSED:
+            raise KvswapError(f"rank {self.rank} is PAUSED: resume() first", ErrorCode.PAUSED)
+        if state in (RankState.CLEARING, RankState.CLEARED):
+            raise KvswapError(f"rank {self.rank} is {state.name}: caches were cleared for a "
+                              f"weight update; restore_caches() and re-register first",
+                              ErrorCode.CLEARED)
         if state is not RankState.READY:
             raise NotReady(f"rank {self.rank} is {state.name}, not READY")
+
+    def _check_epoch(self, header: dict) -> None:
+        """Refuse what was addressed to an earlier incarnation of this rank."""
+        ep = header.get("ep")
+        if ep is not None and len(ep) > self.rank and ep[self.rank] != self._epoch:
+            raise KvswapError(f"rank {self.rank} restarted: it is at epoch {self._epoch}, the "
+                              f"task was addressed to epoch {ep[self.rank]}",
+                              ErrorCode.RANK_RESTARTED)
 
     def _submit(self, job: Job, dev: np.ndarray, host: np.ndarray, fields: dict) -> None:
         """Validate one transfer and queue it (I/O thread)."""
@@ -395,27 +512,36 @@ class Daemon:
             raise InvalidTask("layerwise applies to load only", ErrorCode.BAD_FIELD)
         assert self._scheduler is not None
         self.sig.add(R.INFLIGHT, 1)
-        self._scheduler.submit(job.op, dev, host, priority=int(fields.get("priority", 0)),
-                               layerwise=layerwise, ctx=job)
+        small = dev.shape[0] * self._block_bytes <= self.cfg.inline_max_bytes
+        task = self._scheduler.submit(job.op, dev, host, priority=int(fields.get("priority", 0)),
+                                      layerwise=layerwise, ctx=job,
+                                      claim_if_alone=small and not layerwise)
+        if task.state is TaskState.RUNNING:
+            # Small, ready, nothing else waiting: copy here and save two thread hand-offs.
+            self._execute([task])
+            self._scheduler.finish([task])
+            self._flush_completions()
 
     def _admit_transfer(self, job: Job, req: Request | None) -> None:
         self._check_serving()
+        self._check_epoch(req.header)
         dev, host = decode_transfer(req)
         self._submit(job, dev, host, req.header)
 
     def _run_batch(self, job: Job, req: Request | None) -> dict:
         """Admit each task of a batch on its own: each is answered under its own id."""
         self._check_serving()
+        self._check_epoch(req.header)
         accepted = 0
         for item in decode_batch(req):
-            sub = Job(job.ident, item.id, item.op, job.t_recv)
+            sub = Job(job.route, item.id, item.op, job.t_recv)
             try:
                 dev, host = decode_id_pair(item.op, req.header["ids"], item.fields["n"],
                                            item.device_frame, item.host_frame)
                 self._submit(sub, dev, host, item.fields)
                 accepted += 1
             except KvswapError as exc:
-                self._reject(sub.ident, sub.req_id, sub.op.value, exc)
+                self._reject(sub.route, sub.req_id, sub.op.value, exc)
         return {"accepted": accepted}
 
     def _run_cancel(self, job: Job, req: Request | None) -> dict:
@@ -423,12 +549,13 @@ class Daemon:
         task = None
         if self._scheduler is not None:
             task = self._scheduler.cancel(
-                lambda t: t.ctx.ident == job.ident and t.ctx.req_id == target)
+                lambda t: t.ctx.route == job.route and t.ctx.req_id == target)
         if task is None:
             return {"cancelled": False}
         now = time.perf_counter_ns()
         self._complete(Completion(task.ctx, ErrorCode.CANCELLED,
                                   f"task {target} cancelled before it started", now, now))
+        self._flush_completions()  # the task's CANCELLED reply precedes the cancel's reply
         return {"cancelled": True}
 
     def _execute(self, batch: list[Task]) -> None:
@@ -481,12 +608,21 @@ class Daemon:
             try:
                 fields = handler.run(job, None)
                 c = Completion(job, ErrorCode.OK, "", t_start, time.perf_counter_ns(),
-                               fields=fields)
+                               fields=fields or {})
             except KvswapError as exc:
                 c = Completion(job, exc.code, exc.message, t_start, time.perf_counter_ns())
+            except Exception as exc:  # a bug must cost one request, never the daemon
+                log.exception("%s failed unexpectedly", job.op.value)
+                c = Completion(job, ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}",
+                               t_start, time.perf_counter_ns())
+            if job.route is None and c.code != ErrorCode.OK:
+                log.warning("internal %s failed: [%d] %s", job.op.value, c.code, c.message)
             self._complete(c)
             if job.op is Op.REGISTER and c.code == ErrorCode.OK:
-                self._startup_barrier()
+                if job.rejoin:
+                    self._become_ready()
+                else:
+                    self._startup_barrier()
 
     def _admit_register(self, job: Job, req: Request | None) -> None:
         if self._stopping:
@@ -501,17 +637,25 @@ class Daemon:
         job.tensors = [TensorDesc.from_wire(t) for t in hdr["tensors"]]
         validate_layout(job.tensors)
         self._register_pending = True
-        if job.ident is not None:
-            self.sig.add(R.INFLIGHT, 1)
         self._control.put(job)
+
+    def _on_pin_progress(self, pinned: int) -> None:
+        """Host swap space pinning progress (control thread, during attach)."""
+        self.sig[R.SWAP_BYTES_PINNED] = pinned
 
     def _run_register(self, job: Job, req: Request | None) -> dict:
         tensors = job.tensors
+        if self._swap is not None:  # kept across clear(free_host=False): re-adopted below
+            self._swap.close(unlink=False)
+            self._swap = None
         try:
             swap = HostSwapSpace.open(self.names, self.rank, tensors, self.cfg.host_blocks)
+            self.sig[R.SWAP_BYTES_TOTAL] = swap.nbytes  # before attach: pinning reports progress
             try:
                 self.backend.attach(tensors, swap)
             except BaseException:
+                self.sig[R.SWAP_BYTES_TOTAL] = 0
+                self.sig[R.SWAP_BYTES_PINNED] = 0
                 swap.close(unlink=not swap.reused)
                 raise
         except BaseException:
@@ -533,6 +677,8 @@ class Daemon:
         self.sig[R.SWAP_BYTES_PINNED] = swap.nbytes
         self.sig[R.CACHE_READY] = 1
         self.sig[R.SWAP_READY] = 1
+        if job.route is not None:
+            self._save_registration(job.header)
         log.info("attached %d tensors in %d layers (%d device blocks, %.1f MiB host swap%s)",
                  len(tensors), len(layers), self._num_device_blocks, swap.nbytes / 2**20,
                  ", re-attached" if swap.reused else "")
@@ -551,19 +697,133 @@ class Daemon:
             return
         finally:
             barrier.close()
-        self.sm.to(RankState.READY, only_from=frozenset({RankState.ATTACHING}))
+        self._become_ready()
 
-    def _create_demo_caches(self) -> None:
-        """--demo-caches: create simulated device tensors here and register them
-        through the same path a CacheWorker's register takes."""
+    def _become_ready(self) -> None:
+        if self.sm.to(RankState.READY, only_from=frozenset({RankState.ATTACHING})):
+            if self.rank == 0:
+                self.seg.header[H.KVCACHE_STATUS] = KvCacheStatus.NORMAL
+
+    # ---------------------------------------------------------------- start-up / restart
+    def _registration_path(self) -> Path:
+        return self.names.run_dir / f"rank{self.rank}.register"
+
+    def _save_registration(self, header: dict) -> None:
+        """Keep the worker's last register message, so a restarted daemon can re-open
+        the same tensors (shm names, or CUDA IPC handles that stay valid while the
+        worker lives) without waiting for the worker."""
+        path = self._registration_path()
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(packb({"backend": header["backend"], "tensors": header["tensors"]}))
+        os.replace(tmp, path)
+
+    def _attach_on_start(self) -> None:
+        """First start: wait for a worker (or create demo caches).  Restart (epoch > 1):
+        re-attach what the previous incarnation had, then go READY without the
+        start-up barrier, which the other (READY) ranks will not enter again."""
+        rejoin = self._epoch > 1
+        if self.cfg.demo_caches is not None:
+            self._create_demo_caches(rejoin)
+            return
+        path = self._registration_path()
+        if not (rejoin and path.exists()):
+            return
+        try:
+            header = msgpack.unpackb(path.read_bytes(), raw=False)
+            job = Job(None, 0, Op.REGISTER, time.perf_counter_ns(), header, rejoin=True)
+            self._admit_register(job, None)
+            log.info("restart (epoch %d): re-attaching the caches registered before", self._epoch)
+        except (KvswapError, ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+            log.warning("restart: cannot re-attach from %s (%s); waiting for the worker to "
+                        "register again", path, exc)
+
+    def _create_demo_caches(self, rejoin: bool) -> None:
+        """--demo-caches: simulated device tensors owned by this daemon, registered
+        through the same path a CacheWorker's register takes.  Opened without
+        O_EXCL so a restarted daemon finds its predecessor's tensors, contents intact
+        (as GPU memory outlives a crashed transfer daemon)."""
         descs = []
         for t in demo_layout(self.cfg.demo_caches or None):
-            nbytes = int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
-            region = ShmRegion.create(self.names.device_segment(self.rank, t.name), nbytes)
-            self._demo_regions.append(region)
-            descs.append(TensorDesc(t.name, t.layer, t.dtype, t.shape, {"shm": region.name}))
+            name = self.names.device_segment(self.rank, t.name)
+            if name not in self._demo_regions:
+                nbytes = int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
+                self._demo_regions[name] = ShmRegion.create(name, nbytes, exclusive=False)
+            descs.append(TensorDesc(t.name, t.layer, t.dtype, t.shape, {"shm": name}))
         header = {"backend": self.cfg.backend, "tensors": [d.to_wire() for d in descs]}
-        self._admit_register(Job(None, 0, Op.REGISTER, time.perf_counter_ns(), header), None)
+        self._admit_register(Job(None, 0, Op.REGISTER, time.perf_counter_ns(), header,
+                                 rejoin=rejoin), None)
+
+    # ================================================================ pause / clear
+    def _run_pause(self, job: Job, req: Request | None) -> dict | None:
+        """READY -> PAUSED; answered once every accepted transfer has finished."""
+        if self.sm.state is not RankState.PAUSED:
+            if not self.sm.to(RankState.PAUSED, only_from=frozenset({RankState.READY})):
+                raise NotReady(f"rank {self.rank} is {self.sm.state.name}; only a READY rank "
+                               f"can pause")
+        self._pause_waiters.append(job)
+        self._answer_pause_waiters()
+        return None
+
+    def _run_resume(self, job: Job, req: Request | None) -> dict:
+        if self.sm.state is RankState.READY:
+            return {}
+        if not self.sm.to(RankState.READY, only_from=frozenset({RankState.PAUSED})):
+            raise NotReady(f"rank {self.rank} is {self.sm.state.name}, not PAUSED")
+        return {}
+
+    def _admit_clear(self, job: Job, req: Request | None) -> None:
+        if not self.sm.to(RankState.CLEARING,
+                          only_from=frozenset({RankState.READY, RankState.PAUSED})):
+            raise NotReady(f"rank {self.rank} is {self.sm.state.name}; clear needs READY or "
+                           f"PAUSED")
+        if self.rank == 0:
+            self.seg.header[H.KVCACHE_STATUS] = KvCacheStatus.CLEARING
+        self._control.put(job)
+
+    def _run_clear(self, job: Job, req: Request | None) -> dict:
+        """Drain, release the device mappings (and the pool if asked), barrier: every
+        rank reports CLEARED before any answers."""
+        drained = poll_until(lambda: True if self.sig[R.INFLIGHT] == 0 else None,
+                             time.monotonic() + self.cfg.drain_timeout_s)
+        if drained is None:
+            self.sm.fail(ErrorCode.RANK_TIMEOUT, "clear: tasks did not drain")
+            raise KvswapError(f"rank {self.rank}: {self.sig[R.INFLIGHT]} task(s) still running "
+                              f"after {self.cfg.drain_timeout_s:.0f}s", ErrorCode.RANK_TIMEOUT)
+        assert self._scheduler is not None
+        self._scheduler.stop()
+        self._scheduler.join(self.cfg.drain_timeout_s)
+        self._scheduler = None
+        self.backend.detach()
+        self.sig[R.CACHE_READY] = 0
+        if job.header.get("free_host"):
+            assert self._swap is not None
+            self._swap.close(unlink=True)
+            self._swap = None
+            self.sig[R.SWAP_READY] = 0
+            self.sig[R.SWAP_BYTES_TOTAL] = 0
+            self.sig[R.SWAP_BYTES_PINNED] = 0
+        self._registration_path().unlink(missing_ok=True)
+        self.sm.to(RankState.CLEARED)
+        barrier = Barrier(self.seg, self.rank, stale_after_s=self.cfg.stale_after_s)
+        try:
+            barrier.wait(self.cfg.attach_timeout_s, what="clear barrier",
+                         cancelled=lambda: self._stopping)
+        finally:
+            barrier.close()
+        if self.rank == 0:
+            self.seg.header[H.KVCACHE_STATUS] = KvCacheStatus.CLEARED
+        return {}
+
+    def _run_restore(self, job: Job, req: Request | None) -> dict:
+        """CLEARED -> ATTACHING: the worker registers its (new) tensors next."""
+        if not self.sm.to(RankState.ATTACHING, only_from=frozenset({RankState.CLEARED})):
+            raise NotReady(f"rank {self.rank} is {self.sm.state.name}, not CLEARED")
+        self._register_pending = False
+        if self.cfg.demo_caches is not None:
+            self._create_demo_caches(rejoin=False)
+        return {}
 
     # ================================================================ inline ops
     def _run_ping(self, job: Job, req: Request | None) -> dict:
@@ -579,13 +839,3 @@ class Daemon:
     def _run_shutdown(self, job: Job, req: Request | None) -> dict:
         self._begin_stop(f"shutdown requested (request {job.req_id})")
         return {}
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -84,3 +84,24 @@ def wait_for_state(launcher: Launcher, state, timeout: float = 20.0) -> None:
                                         for r in range(launcher.cfg.tp)) else None,
                     time.monotonic() + timeout)
     assert ok, f"ranks never reached {state.name}: {launcher.progress()}"
+
+
+def wait_for_namespace_state(names: Names, tp: int, state, timeout: float = 30.0) -> None:
+    """Wait until a namespace launched elsewhere (e.g. by a `kvswap launch` subprocess)
+    exists and every rank publishes ``state``."""
+    import time
+
+    from kvswap.client.errors import NamespaceError
+    from kvswap.client.signals import SignalSegment, poll_until
+
+    def check():
+        try:
+            seg = SignalSegment.attach(names, readonly=True)
+        except NamespaceError:
+            return None
+        try:
+            return True if all(seg.state_of(r) == state for r in range(tp)) else None
+        finally:
+            seg.close()
+
+    assert poll_until(check, time.monotonic() + timeout), f"ranks never reached {state.name}"

@@ -19,7 +19,7 @@ from kvswap.client.protocol import (
     packb,
 )
 from kvswap.client.shm_region import ShmRegion
-from kvswap.client.signals import R, RankState, SignalSegment
+from kvswap.client.signals import R, RankState
 from kvswap.daemon.swap_space import SwapLayout
 
 from conftest import SMALL_LAYOUT, wait_for_state

@@ -1,0 +1,143 @@
+"""``kvswap metrics``: the signal segment of a namespace in Prometheus text format.
+
+A custom collector reads :meth:`SignalSegment.snapshot` on every scrape, through
+a fresh read-only attach: it never talks to a daemon (so it costs them nothing
+and keeps answering when one is wedged), and it follows a namespace that is
+torn down and launched again under the same name.  While the namespace does
+not exist only ``kvswap_up 0`` is served, so the exporter may start first.
+
+Series (labels ``namespace`` and, per rank, ``rank``):
+
+====================================== ======= ===========================================
+name                                   type    value
+====================================== ======= ===========================================
+kvswap_up                              gauge   1 if the signal segment could be read
+kvswap_tp_size                         gauge   ranks of the namespace
+kvswap_engine_heartbeat_age_seconds    gauge   age of the last CacheWorker beat (absent: never)
+kvswap_rank_state                      gauge   1 for the ``state`` label of the current
+                                               state, 0 for every other RankState
+kvswap_rank_state_code                 gauge   the RankState value
+kvswap_rank_epoch                      gauge   daemon starts on this rank
+kvswap_rank_heartbeat_age_seconds      gauge   age of the daemon's beat (absent: never)
+kvswap_rank_inflight                   gauge   accepted tasks not yet answered
+kvswap_rank_completed_total            counter transfer tasks completed
+kvswap_rank_failed_total               counter requests rejected or failed
+kvswap_rank_bytes_evicted_total        counter bytes copied device -> host
+kvswap_rank_bytes_loaded_total         counter bytes copied host -> device
+kvswap_rank_swap_pool_bytes            gauge   size of the host swap pool
+kvswap_rank_swap_pinned_bytes          gauge   bytes of the pool pinned so far
+====================================== ======= ===========================================
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import start_http_server
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+)
+
+from kvswap.client.errors import NamespaceError
+from kvswap.client.monitor import read_status
+from kvswap.client.signals import RankState
+
+_RANK_LABELS = ("namespace", "rank")
+
+# (snapshot field, metric name without the kvswap_rank_ prefix, help)
+_RANK_GAUGES = (
+    ("epoch", "epoch", "Daemon starts on this rank."),
+    ("inflight", "inflight", "Accepted tasks not yet answered."),
+    ("swap_bytes_total", "swap_pool_bytes", "Size of the rank's host swap pool in bytes."),
+    ("swap_bytes_pinned", "swap_pinned_bytes",
+     "Bytes of the host swap pool registered with the GPU so far (host backend: the size)."),
+)
+_RANK_COUNTERS = (
+    ("completed", "completed", "Transfer tasks completed."),
+    ("failed", "failed", "Requests rejected or transfer tasks failed."),
+    ("bytes_evicted", "bytes_evicted", "Bytes copied device -> host."),
+    ("bytes_loaded", "bytes_loaded", "Bytes copied host -> device."),
+)
+
+
+class SignalCollector:
+    """Collects one namespace's signal segment at every scrape."""
+
+    def __init__(self, namespace: str, run_root: str | None = None):
+        self.namespace = namespace
+        self.run_root = run_root
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("kvswap_up", "1 if the namespace's signal segment was read.",
+                               labels=["namespace"])
+        try:
+            status = read_status(self.namespace, self.run_root)
+        except NamespaceError:
+            up.add_metric([self.namespace], 0)
+            yield up
+            return
+        up.add_metric([self.namespace], 1)
+        yield up
+        yield from self._namespace_metrics(status)
+        yield from self._rank_metrics(status["ranks"])
+
+    def _namespace_metrics(self, status: dict) -> Iterator[Metric]:
+        tp = GaugeMetricFamily("kvswap_tp_size", "Ranks of the namespace.", labels=["namespace"])
+        tp.add_metric([self.namespace], status["tp_size"])
+        yield tp
+        engine = GaugeMetricFamily("kvswap_engine_heartbeat_age_seconds",
+                                   "Seconds since the last CacheWorker heartbeat.",
+                                   labels=["namespace"])
+        if status["engine_heartbeat_age_s"] is not None:
+            engine.add_metric([self.namespace], status["engine_heartbeat_age_s"])
+        yield engine
+
+    def _rank_metrics(self, ranks: list[dict]) -> Iterator[Metric]:
+        states = GaugeMetricFamily("kvswap_rank_state",
+                                   "1 for the rank daemon's current state, 0 for the others.",
+                                   labels=[*_RANK_LABELS, "state"])
+        code = GaugeMetricFamily("kvswap_rank_state_code",
+                                 "The rank daemon's state as its RankState number.",
+                                 labels=_RANK_LABELS)
+        beat = GaugeMetricFamily("kvswap_rank_heartbeat_age_seconds",
+                                 "Seconds since the rank daemon's last heartbeat.",
+                                 labels=_RANK_LABELS)
+        per_field: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [
+            (field, GaugeMetricFamily(f"kvswap_rank_{name}", doc, labels=_RANK_LABELS))
+            for field, name, doc in _RANK_GAUGES]
+        per_field += [(field, CounterMetricFamily(f"kvswap_rank_{name}", doc, labels=_RANK_LABELS))
+                      for field, name, doc in _RANK_COUNTERS]
+        for row in ranks:
+            labels = [self.namespace, str(row["rank"])]
+            for s in RankState:  # every state, so an alert on a state has a series to watch
+                states.add_metric([*labels, s.name], int(s.name == row["state"]))
+            code.add_metric(labels, RankState[row["state"]].value)
+            if row["heartbeat_age_s"] is not None:
+                beat.add_metric(labels, row["heartbeat_age_s"])
+            for field, family in per_field:
+                family.add_metric(labels, row[field])
+        yield states
+        yield code
+        yield beat
+        for _, family in per_field:
+            yield family
+
+
+def registry_for(namespace: str, run_root: str | None = None) -> CollectorRegistry:
+    """A registry holding only the namespace's collector (no process or GC metrics
+    of the exporter itself: they say nothing about the daemons)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SignalCollector(namespace, run_root))
+    return registry
+
+
+def serve(namespace: str, port: int, host: str = "127.0.0.1",
+          run_root: str | None = None) -> tuple[WSGIServer, threading.Thread]:
+    """Serve ``/metrics`` on ``host:port`` from a daemon thread; port 0 picks a free
+    one (``server.server_port``).  Stop with ``server.shutdown()``."""
+    return start_http_server(port, addr=host, registry=registry_for(namespace, run_root))

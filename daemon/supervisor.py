@@ -1,0 +1,122 @@
+"""Per-rank process supervision: restart dead or silent daemons with back-off.
+
+Each rank's process moves through these states (after supervisord's):
+
+    STARTING --(rank publishes READY)--------------------------> RUNNING
+    STARTING/RUNNING --(process exited, or heartbeat stale)----> BACKOFF
+    BACKOFF --(delay elapsed, retries left)--------------------> STARTING (respawn)
+    BACKOFF --(retries exhausted)------------------------------> FATAL
+    RUNNING --(up for reset_after_s)-----------------------------> (retry count reset)
+
+A silent daemon (heartbeat older than ``stale_after_s`` while its process is
+still there: wedged, or SIGSTOPped) is killed with SIGKILL first, so there is
+never more than one daemon per rank.  The back-off doubles from
+``backoff_s`` up to ``backoff_max_s``; ``max_retries`` consecutive failures
+make the rank FATAL, which the launcher turns into a full teardown.  Each
+respawned daemon increments the rank's epoch in the signal segment itself.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from kvswap.client.signals import R, RankState, SignalSegment
+
+log = logging.getLogger("kvswap.supervisor")
+
+
+class ProcState(enum.Enum):
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    BACKOFF = "BACKOFF"
+    FATAL = "FATAL"
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    proc: subprocess.Popen
+    state: ProcState = ProcState.STARTING
+    retries: int = 0  # consecutive failed starts
+    restarts: int = 0  # total respawns
+    since: float = 0.0  # when the current state began (monotonic)
+    retry_at: float = 0.0
+
+
+@dataclass
+class SupervisorConfig:
+    max_retries: int = 5
+    backoff_s: float = 0.5
+    backoff_max_s: float = 30.0
+    stale_after_s: float = 10.0
+    reset_after_s: float = 60.0
+
+
+class Supervisor:
+    def __init__(self, seg: SignalSegment, procs: list[subprocess.Popen],
+                 spawn: Callable[[int], subprocess.Popen], cfg: SupervisorConfig):
+        self.seg = seg
+        self.spawn = spawn
+        self.cfg = cfg
+        now = time.monotonic()
+        self.ranks = [RankProcess(r, p, since=now) for r, p in enumerate(procs)]
+
+    @property
+    def restarts(self) -> int:
+        return sum(rp.restarts for rp in self.ranks)
+
+    def fatal(self) -> list[RankProcess]:
+        return [rp for rp in self.ranks if rp.state is ProcState.FATAL]
+
+    def _to(self, rp: RankProcess, state: ProcState, now: float) -> None:
+        log.info("rank %d: %s -> %s", rp.rank, rp.state.value, state.value)
+        rp.state, rp.since = state, now
+
+    def _failed(self, rp: RankProcess, now: float, why: str) -> None:
+        if rp.retries >= self.cfg.max_retries:
+            log.error("rank %d %s; %d restarts failed in a row: FATAL", rp.rank, why, rp.retries)
+            self._to(rp, ProcState.FATAL, now)
+            return
+        delay = min(self.cfg.backoff_s * (2 ** rp.retries), self.cfg.backoff_max_s)
+        log.warning("rank %d %s; restarting in %.1fs (retry %d of %d)", rp.rank, why, delay,
+                    rp.retries + 1, self.cfg.max_retries)
+        rp.retry_at = now + delay
+        self._to(rp, ProcState.BACKOFF, now)
+
+    def step(self) -> None:
+        """One supervision pass; cheap enough to run every 100-200 ms."""
+        now = time.monotonic()
+        for rp in self.ranks:
+            if rp.state in (ProcState.STARTING, ProcState.RUNNING):
+                rc = rp.proc.poll()
+                if rc is not None:
+                    self._failed(rp, now, f"exited with status {rc}")
+                    continue
+                # The slot's heartbeat is this process's only once it published its pid
+                # (until then it is the dead predecessor's).
+                own = int(self.seg.ranks[rp.rank, R.PID]) == rp.proc.pid
+                age = self.seg.heartbeat_age_s(rp.rank) if own else None
+                stopping = self.seg.state_of(rp.rank) in (RankState.STOPPING, RankState.STOPPED)
+                if age is not None and age > self.cfg.stale_after_s and not stopping:
+                    log.error("rank %d (pid %d) has not beaten for %.1fs: killing it", rp.rank,
+                              rp.proc.pid, age)
+                    rp.proc.kill()
+                    rp.proc.wait()
+                    self._failed(rp, now, f"was silent for {age:.1f}s")
+                    continue
+                ready = self.seg.state_of(rp.rank) == RankState.READY
+                if rp.state is ProcState.STARTING and ready:
+                    self._to(rp, ProcState.RUNNING, now)
+                elif (rp.state is ProcState.RUNNING and rp.retries
+                      and now - rp.since > self.cfg.reset_after_s):
+                    rp.retries = 0
+            elif rp.state is ProcState.BACKOFF and now >= rp.retry_at:
+                rp.retries += 1
+                rp.restarts += 1
+                rp.proc = self.spawn(rp.rank)
+                self._to(rp, ProcState.STARTING, now)

@@ -1,0 +1,275 @@
+"""`kvswap bench control/data/gpu`, `kvswap metrics` and `kvswap status --watch`.
+
+The benches run for real (namespaces, reference processes) but tiny; timings
+are never asserted (the machine is shared), only the shape of the results and
+that every system ran exactly the work the bench says it ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvswap.client import TransferClient
+from kvswap.client.monitor import format_table, read_status, transfer_rates
+from kvswap.daemon import bench
+from kvswap.daemon.cli import build_parser
+
+from conftest import SMALL_LAYOUT
+
+CONTROL_KEYS = {"tp", "kvswap_p50_us", "kvswap_p99_us", "floor_p50_us", "floor_p99_us",
+                "baseline_p50_us", "baseline_p99_us", "kvswap_cpu_us", "floor_cpu_us",
+                "baseline_cpu_us", "kvswap_tasks_per_s", "floor_tasks_per_s",
+                "baseline_tasks_per_s", "p50_vs_floor", "baseline_vs_kvswap_p50",
+                "tasks_per_system"}
+DATA_KEYS = {"block_bytes", "op", "tp", "blocks", "runs", "task_bytes", "kvswap_gbps",
+             "kvswap_exec_gbps", "memcpy_gbps", "ratio", "exec_ratio"}
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvswap.daemon.cli", *args]
+
+
+def _leftovers(marker: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if marker in n]
+
+
+# ---------------------------------------------------------------------- bench control / data
+
+
+def test_control_bench_schema_and_task_counts():
+    proc = subprocess.Popen(_cli("bench", "control", "--tp", "1,2", "--rounds", "2",
+                                 "--samples", "10", "--tasks", "20", "--window", "8",
+                                 "--warmup", "5", "--json"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    rows = json.loads(out)["control"]
+    assert [r["tp"] for r in rows] == [1, 2]
+    # warm-up (5 + 10 block warm-up, 2 x window pipelined), then per round one latency
+    # block (10 warm-up + 10 samples) and one pipelined block (20), for every system;
+    # the bench itself fails if any rank of any system served a different count.
+    expected = (5 + 10 + 2 * 8) + 2 * (10 + 10 + 20)
+    for row in rows:
+        assert set(row) == CONTROL_KEYS
+        assert row["tasks_per_system"] == expected
+        for name in ("kvswap", "floor", "baseline"):
+            assert 0 < row[f"{name}_p50_us"] <= row[f"{name}_p99_us"]
+            assert row[f"{name}_cpu_us"] >= 0  # clock ticks: may round to 0 on 10 samples
+            assert row[f"{name}_tasks_per_s"] > 0
+        assert row["p50_vs_floor"] == pytest.approx(
+            row["kvswap_p50_us"] / row["floor_p50_us"], abs=0.02)
+        assert row["baseline_vs_kvswap_p50"] == pytest.approx(
+            row["baseline_p50_us"] / row["kvswap_p50_us"], abs=0.02)
+    # the bench's namespaces and the baseline's flag segment are gone
+    assert not _leftovers(f"bench-{proc.pid}")
+
+
+def test_data_bench_schema_and_bytes():
+    proc = subprocess.Popen(_cli("bench", "data", "--sizes", "4096,65536", "--mib", "2",
+                                 "--rounds", "2", "--json"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    rows = json.loads(out)["data"]
+    assert [(r["block_bytes"], r["op"]) for r in rows] == [
+        (4096, "evict"), (4096, "load"), (65536, "evict"), (65536, "load")]
+    for row in rows:
+        assert set(row) == DATA_KEYS
+        blocks = (2 << 20) // (2 * row["block_bytes"])
+        assert row["blocks"] == blocks
+        assert row["task_bytes"] == 2 * blocks * row["block_bytes"]  # K and V, checked per reply
+        # random block sets: (almost) no two neighbours continue each other on both sides
+        assert 0.9 * blocks <= row["runs"] <= blocks
+        for key in ("kvswap_gbps", "kvswap_exec_gbps", "memcpy_gbps", "ratio", "exec_ratio"):
+            assert row[key] > 0
+        assert row["ratio"] == pytest.approx(row["kvswap_gbps"] / row["memcpy_gbps"], abs=0.02)
+    assert not _leftovers(f"bench-{proc.pid}")
+
+
+def test_plot_without_matplotlib_fails_before_measuring(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes the import fail
+    args = build_parser().parse_args(["bench", "data", "--plot", "never.png"])
+    monkeypatch.setitem(bench.SCENARIOS, "data",
+                        (bench._args_data, lambda a: pytest.fail("measured anyway"), ""))
+    assert bench.run(args) == 2
+    assert "pip install 'kvswap[plot]'" in capsys.readouterr().err
+    assert not Path("never.png").exists()
+
+
+def test_plots_are_small_pngs(tmp_path):
+    pytest.importorskip("matplotlib")
+    control = {"control": [
+        {"tp": tp, "kvswap_p50_us": 500.0, "floor_p50_us": 90.0, "baseline_p50_us": 1500.0,
+         "kvswap_tasks_per_s": 3000, "floor_tasks_per_s": 20000, "baseline_tasks_per_s": 1500}
+        for tp in (1, 2)]}
+    data = {"data": [
+        {"block_bytes": bb, "op": op, "kvswap_gbps": 3.0, "kvswap_exec_gbps": 4.0,
+         "memcpy_gbps": 5.0}
+        for bb in bench.DATA_SIZES for op in ("evict", "load")]}
+    for name, result in (("control", control), ("data", data)):
+        path = tmp_path / f"{name}.png"
+        bench.PLOTS[name](result, str(path))
+        raw = path.read_bytes()
+        assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+        assert len(raw) < 60_000
+
+
+def test_gpu_bench_without_cuda_exits_2():
+    if bench._gpu_unavailable() is None:
+        pytest.skip("a CUDA device is present: the GPU bench would run")
+    proc = subprocess.run(_cli("bench", "gpu", "--json"), capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(bench.NO_GPU_MESSAGE)
+    assert proc.stdout == ""
+
+
+# ---------------------------------------------------------------------- kvswap metrics
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of one scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_metrics_equal_the_work_done(namespaces):
+    pytest.importorskip("prometheus_client")
+    from kvswap.daemon import metrics
+
+    launcher = namespaces.launch(tp=2, demo_caches=SMALL_LAYOUT, host_blocks=32)
+    ns, root = launcher.names.namespace, namespaces.run_root
+    server, thread = metrics.serve(ns, 0, "127.0.0.1", root)
+    try:
+        with TransferClient(ns, 2, run_root=root) as client:
+            evicted = sum(client.evict([2 * i, 2 * i + 1], [i, i + 8]).result(10).nbytes
+                          for i in range(3))
+            loaded = client.load([0], [5]).result(10).nbytes
+        sample = _scrape(server.server_port)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    status = read_status(ns, root)
+    block = 4 * (4 * 2 * 8 * 2)  # SMALL_LAYOUT: 2 layers x K, V of 4 tokens x 2 heads x 8 fp16
+    assert evicted == 2 * 3 * 2 * block and loaded == 2 * block  # summed over both ranks
+    assert sample[("kvswap_up", (("namespace", ns),))] == 1
+    assert sample[("kvswap_tp_size", (("namespace", ns),))] == 2
+    for r in (0, 1):
+        lab = (("namespace", ns), ("rank", str(r)))
+        assert sample[("kvswap_rank_completed_total", lab)] == 4
+        assert sample[("kvswap_rank_failed_total", lab)] == 0
+        assert sample[("kvswap_rank_bytes_evicted_total", lab)] == 3 * 2 * block
+        assert sample[("kvswap_rank_bytes_loaded_total", lab)] == block
+        assert sample[("kvswap_rank_inflight", lab)] == 0
+        assert sample[("kvswap_rank_epoch", lab)] == status["ranks"][r]["epoch"]
+        assert sample[("kvswap_rank_swap_pool_bytes", lab)] == 4 * 32 * (block // 4)
+        assert sample[("kvswap_rank_state_code", lab)] == 3
+        assert sample[("kvswap_rank_state", (*lab, ("state", "READY")))] == 1
+        assert sample[("kvswap_rank_state", (*lab, ("state", "FAILED")))] == 0
+        assert 0 <= sample[("kvswap_rank_heartbeat_age_seconds", lab)] < 5
+
+
+def test_metrics_without_namespace_serves_up_0():
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import generate_latest
+
+    from kvswap.daemon.metrics import registry_for
+
+    text = generate_latest(registry_for("no-such-ns", "/tmp")).decode()
+    assert 'kvswap_up{namespace="no-such-ns"} 0.0' in text
+    assert "kvswap_rank_" not in text
+
+
+def _first_line(proc: subprocess.Popen, timeout: float = 15.0) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, "no output"
+    return proc.stdout.readline()
+
+
+WATCH_LAYOUT = "layers=1,block_tokens=16,heads=32,head_dim=128,blocks=64"  # 256 KiB a block
+
+
+def test_metrics_and_status_watch_commands(namespaces):
+    pytest.importorskip("prometheus_client")
+    launcher = namespaces.launch(tp=1, demo_caches=WATCH_LAYOUT)
+    ns, root = launcher.names.namespace, namespaces.run_root
+    exporter = subprocess.Popen(_cli("metrics", "--namespace", ns, "--run-root", root,
+                                     "--port", "0"), stdout=subprocess.PIPE, text=True)
+    watch = subprocess.Popen(_cli("status", "--namespace", ns, "--run-root", root, "--watch",
+                                  "--interval", "0.2"), stdout=subprocess.PIPE, text=True)
+    try:
+        line = _first_line(exporter)
+        port = int(line.rsplit(":", 1)[1].split("/")[0])
+        assert line.startswith(f"kvswap: serving metrics of namespace {ns} on http://127.0.0.1:")
+        with TransferClient(ns, 1, run_root=root) as client:
+            for i in range(20):  # 2 MiB every 30 ms: a rate --watch shows as >= 0.01 GB/s
+                client.evict(list(range(8)), list(range(8 * (i % 8), 8 * (i % 8) + 8))).result(10)
+                time.sleep(0.03)
+        sample = _scrape(port)
+        assert sample[("kvswap_rank_completed_total", (("namespace", ns), ("rank", "0")))] == 20
+    finally:
+        for p in (exporter, watch):
+            p.send_signal(signal.SIGINT)
+        out, _ = watch.communicate(timeout=10)
+        exporter.communicate(timeout=10)
+    assert exporter.returncode == 0 and watch.returncode == 0
+    frames = [f for f in out.split("\x1b[2J\x1b[H") if f]
+    assert len(frames) >= 2
+    assert all("evict GB/s" in f and "load GB/s" in f for f in frames)
+    # the first frame has no rate yet; later ones, taken while evicting, have numbers
+    assert frames[0].splitlines()[2].split()[-3:-1] == ["-", "-"]
+    assert any(f.splitlines()[2].split()[-3] not in ("-", "0.00") for f in frames[1:])
+
+
+# ---------------------------------------------------------------------- status --watch rates
+
+
+def _status(created: int, ranks: list[tuple[int, int, int]]) -> dict:
+    return {"namespace": "ns", "tp_size": len(ranks), "launcher_pid": 1,
+            "engine_heartbeat_age_s": None, "kvcache_status": "NORMAL",
+            "created_unix_ns": created,
+            "ranks": [{"rank": r, "pid": 10 + r, "state": "READY", "epoch": 1,
+                       "heartbeat_age_s": 0.05, "inflight": 0, "completed": 0, "failed": 0,
+                       "bytes_evicted": ev, "bytes_loaded": ld, "last_error": "OK"}
+                      for r, ev, ld in ranks]}
+
+
+def test_transfer_rates():
+    prev = _status(7, [(0, 1_000, 0), (1, 5_000_000_000, 0)])
+    cur = _status(7, [(0, 4_000_000_000 + 1_000, 1_000_000_000), (1, 4_000_000_000, 0),
+                      (2, 0, 0)])
+    assert transfer_rates(prev, cur, 2.0) == {
+        0: (pytest.approx(2.0), pytest.approx(0.5)),
+        1: (None, 0.0),  # bytes_evicted went back
+        2: (None, None),  # a rank that was not there before
+    }
+    assert transfer_rates(prev, _status(8, [(0, 9, 9)]), 2.0) == {0: (None, None)}  # relaunch
+    assert transfer_rates(prev, prev, 0.0) == {0: (None, None), 1: (None, None)}
+
+
+def test_status_table_has_rate_columns_only_when_watching():
+    st = _status(7, [(0, 2 << 30, 0)])
+    plain = format_table(st).splitlines()
+    assert "GB/s" not in plain[1]
+    first = format_table(st, {}).splitlines()  # first --watch frame: nothing to diff yet
+    assert first[1].endswith("evict GB/s  load GB/s  last error")
+    assert first[2].split()[-3:] == ["-", "-", "-"]
+    later = format_table(st, {0: (1.234, 0.001)}).splitlines()
+    assert later[2].split()[-3:] == ["1.23", "<0.01", "-"]
+    assert plain[2].split()[:-1] == later[2].split()[:-3]  # the other columns are the same

@@ -1,0 +1,363 @@
+"""Fault injection on the host backend: crashes under load, silent daemons, dead
+engines and launchers, pause/resume, clear/restore."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvswap.client import (
+    CacheTensor,
+    CacheWorker,
+    ErrorCode,
+    RankRestarted,
+    TransferClient,
+    TransferFailed,
+)
+from kvswap.client.layout import TensorDesc, demo_layout
+from kvswap.client.naming import Names
+from kvswap.client.signals import H, KvCacheStatus, R, RankState, SignalSegment, poll_until
+from kvswap.daemon.demo import RankView, pattern
+from kvswap.daemon.launcher import sweep_namespace
+from kvswap.daemon.supervisor import ProcState, SupervisorConfig
+
+from conftest import wait_for_namespace_state, wait_for_state
+
+LAYOUT = "layers=2,block_tokens=4,heads=2,head_dim=8,blocks=64"
+HOST = 64
+
+
+def _until(pred, timeout=30.0, what="condition"):
+    ok = poll_until(lambda: True if pred() else None, time.monotonic() + timeout)
+    assert ok, f"timed out waiting for {what}"
+
+
+class Supervising:
+    """Runs launcher.supervise_once() on a thread, as `kvswap launch` does."""
+
+    def __init__(self, launcher):
+        self.launcher = launcher
+        self.stop = threading.Event()
+        self.reasons: list[str] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.stop.wait(0.05):
+            why = self.launcher.supervise_once()
+            if why:
+                self.reasons.append(why)
+                return
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join(10)
+
+
+def _client(launcher, **kw):
+    c = TransferClient(launcher.names.namespace, launcher.cfg.tp,
+                       run_root=str(launcher.names.run_root), **kw)
+    c.wait_ready(20)
+    return c
+
+
+def test_kill_9_under_load_loses_nothing(namespaces):
+    """Four threads run evicts and loads on disjoint blocks while daemons are killed
+    with SIGKILL at random points; every task completes (re-sent after the restart)
+    and every device and host block ends as the sequential model says."""
+    launcher = namespaces.launch(tp=2, demo_caches=LAYOUT, host_blocks=HOST,
+                                 supervision=SupervisorConfig(backoff_s=0.05))
+    tensors = [TensorDesc(t.name, t.layer, t.dtype, t.shape) for t in demo_layout(LAYOUT)]
+    views = [RankView(launcher.names, r, tensors, HOST) for r in range(2)]
+    dev_tag = np.arange(1, 65)
+    host_tag = np.zeros(HOST, dtype=np.int64)
+    for rank, view in enumerate(views):
+        for ti, t in enumerate(tensors):
+            view.device[ti][:] = pattern(rank, ti, dev_tag, t.bytes_per_block // 8)
+    client = _client(launcher, task_timeout=60)
+    done = [0]
+    errors: list[BaseException] = []
+    finished = threading.Event()
+
+    def work(i: int) -> None:
+        rng = random.Random(i)
+        dev_slice, host_slice = list(range(16 * i, 16 * i + 16)), list(range(16 * i, 16 * i + 16))
+        try:
+            for _ in range(120):
+                k = rng.randint(1, 4)
+                dev, host = rng.sample(dev_slice, k), rng.sample(host_slice, k)
+                if rng.random() < 0.5:
+                    client.evict(dev, host).result(60)
+                    host_tag[host] = dev_tag[dev]
+                else:
+                    client.load(host, dev).result(60)
+                    dev_tag[dev] = host_tag[host]
+                done[0] += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    crashes = 0
+    rng = random.Random(7)
+    try:
+        with Supervising(launcher) as sup:
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for _ in range(4):
+                target = done[0] + rng.randint(10, 40)
+                _until(lambda: done[0] >= target or not any(t.is_alive() for t in threads),
+                       60, "workload progress")
+                if not any(t.is_alive() for t in threads):
+                    break
+                rank = rng.randrange(2)
+                epoch = int(launcher.seg.ranks[rank, R.EPOCH])
+                os.kill(launcher.procs[rank].pid, signal.SIGKILL)
+                crashes += 1
+                _until(lambda: int(launcher.seg.ranks[rank, R.EPOCH]) > epoch
+                       and launcher.seg.state_of(rank) == RankState.READY, 30, "restart")
+            for t in threads:
+                t.join(120)
+            finished.set()
+            assert not sup.reasons
+        assert not errors, errors
+        assert done[0] == 480 and crashes >= 3
+        for rank, view in enumerate(views):
+            for ti, t in enumerate(tensors):
+                w = t.bytes_per_block // 8
+                assert np.array_equal(view.device[ti], pattern(rank, ti, dev_tag, w))
+                assert np.array_equal(view.host[ti], pattern(rank, ti, host_tag, w))
+        assert launcher.supervisor.restarts == crashes
+        print(f"\ncrashes injected {crashes}, tasks {done[0]}, re-sent {client.retried}, "
+              f"blocks verified {2 * len(tensors) * (64 + HOST)}")
+    finally:
+        client.close()
+        for v in views:
+            v.close()
+
+
+def test_silent_daemon_is_replaced_and_overlapping_inflight_tasks_fail_cleanly(namespaces):
+    launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=HOST,
+                                 supervision=SupervisorConfig(stale_after_s=1.0, backoff_s=0.05))
+    client = _client(launcher, task_timeout=30)
+    try:
+        with Supervising(launcher):
+            os.kill(launcher.procs[0].pid, signal.SIGSTOP)  # silent, not dead
+            a = client.evict([1, 2], [1, 2])
+            b = client.load([2], [5])  # overlaps a (host block 2): replay could reorder
+            c = client.evict([9], [9])  # independent: re-sent after the restart
+            assert c.result(30).replies[0].ok
+            for fut in (a, b):
+                with pytest.raises(RankRestarted) as ei:
+                    fut.result(30)
+                assert ei.value.failures[0].code == ErrorCode.RANK_RESTARTED
+                assert "overlaps" in ei.value.failures[0].message
+        assert int(launcher.seg.ranks[0, R.EPOCH]) == 2
+        assert client.retried == 1
+        assert client.evict([3], [3]).result(10).replies[0].ok
+    finally:
+        client.close()
+
+
+def test_rank_is_fatal_after_retry_limit(namespaces):
+    launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=HOST,
+                                 supervision=SupervisorConfig(max_retries=0))
+    os.kill(launcher.procs[0].pid, signal.SIGKILL)
+    launcher.procs[0].wait(10)
+    why = launcher.supervise_once()
+    assert why and "rank 0 is FATAL" in why and "rank0.log" in why
+    assert launcher.supervisor.ranks[0].state is ProcState.FATAL
+
+
+def test_restarted_daemon_reattaches_worker_caches_without_the_worker(namespaces):
+    launcher = namespaces.launch(tp=1, demo_caches=None, wait=False, host_blocks=8,
+                                 supervision=SupervisorConfig(backoff_s=0.05))
+    wait_for_state(launcher, RankState.ATTACHING)
+    names = launcher.names
+    with CacheWorker(names.namespace, 0, run_root=str(names.run_root)) as w:
+        k = w.alloc_host_tensor("k0", (8, 32), "uint8")
+        k[:] = np.arange(8, dtype=np.uint8)[:, None]
+        w.register([CacheTensor("k0", 0, k)])
+        client = _client(launcher)
+        try:
+            client.evict([3], [5]).result(10)
+            with Supervising(launcher):
+                os.kill(launcher.procs[0].pid, signal.SIGKILL)
+                _until(lambda: int(launcher.seg.ranks[0, R.EPOCH]) == 2
+                       and launcher.seg.state_of(0) == RankState.READY, 30, "restart")
+            client.load([5], [0]).result(10)  # host block 5 survived the crash
+            assert (k[0] == 3).all()
+        finally:
+            client.close()
+
+
+# ------------------------------------------------------------------ engine and launcher death
+
+def _engine(ns, root, registered, tp):
+    with CacheWorker(ns, 0, run_root=root, heartbeat_interval_s=0.1) as w:
+        arr = w.alloc_host_tensor("k0", (8, 64), "uint8")
+        w.register([CacheTensor("k0", 0, arr)])
+        registered.set()
+        threading.Event().wait(120)  # killed by the test
+
+
+def test_dead_engine_tears_down_everything(run_root):
+    names = Names.of(f"eng{os.getpid()}", run_root)
+    launch = subprocess.Popen([sys.executable, "-m", "kvswap.daemon.cli", "launch", "--namespace",
+                               names.namespace, "--run-root", run_root, "--tp", "1", "--host-blocks", "8",
+                               "--engine-timeout", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ctx = mp.get_context("fork")
+    registered = ctx.Event()
+    engine = None
+    try:
+        wait_for_namespace_state(names, 1, RankState.ATTACHING)
+        engine = ctx.Process(target=_engine, args=(names.namespace, run_root, registered, 1))
+        engine.start()
+        assert registered.wait(30)
+        os.kill(engine.pid, signal.SIGKILL)
+        engine.join(10)
+        t0 = time.monotonic()
+        assert launch.wait(timeout=30) == 1
+        assert time.monotonic() - t0 < 15
+        err = launch.stderr.read()
+        assert "engine stopped beating" in err
+        assert names.owned_shm() == []  # the dead worker's tensors were swept too
+        assert not names.run_dir.exists()
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+            launch.wait()
+        if engine is not None and engine.is_alive():
+            engine.kill()
+        sweep_namespace(names)
+
+
+def test_orphaned_daemons_exit_cleanly(run_root):
+    names = Names.of(f"orph{os.getpid()}", run_root)
+    launch = subprocess.Popen([sys.executable, "-m", "kvswap.daemon.cli", "launch", "--namespace",
+                               names.namespace, "--run-root", run_root, "--tp", "2", "--demo-caches",
+                               f"{LAYOUT}", "--host-blocks", "8",
+                               "--daemon-args", "--orphan-timeout 1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in launch.stdout:  # progress lines, then "... READY on 2 rank(s)"
+            if "READY on" in line:
+                break
+        else:
+            pytest.fail("kvswap launch exited before READY")
+        seg = SignalSegment.attach(names, readonly=True)
+        pids = [int(seg.ranks[r, R.PID]) for r in range(2)]
+        os.kill(launch.pid, signal.SIGKILL)
+        launch.wait(10)
+        _until(lambda: all(seg.state_of(r) == RankState.STOPPED for r in range(2)), 20,
+               "orphans to stop")
+        seg.close()
+        for pid in pids:
+            _until(lambda: not os.path.exists(f"/proc/{pid}") or
+                   open(f"/proc/{pid}/stat").read().rsplit(")", 1)[-1].split()[0] == "Z",
+                   10, f"pid {pid} to exit")
+        for r in range(2):
+            log = (names.run_dir / f"rank{r}.log").read_text()
+            assert log.count("orphaned: launcher pid") == 1
+        # what the daemons owned is gone; only the dead launcher's objects remain
+        left = names.owned_shm()
+        assert not [e for e in left if ".swap." in e or ".dev." in e]
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+        sweep_namespace(names)
+
+
+# ------------------------------------------------------------------ pause / clear / restore
+
+def test_pause_drains_then_refuses_and_resume_reverses(namespaces):
+    launcher = namespaces.launch(tp=2, demo_caches=LAYOUT, host_blocks=HOST)
+    with _client(launcher) as client:
+        inflight = [client.evict([i], [i]) for i in range(20)]
+        client.pause().result(20)
+        assert all(f.done() for f in inflight)  # drained before the pause answered
+        assert all(launcher.seg.state_of(r) == RankState.PAUSED for r in range(2))
+        with pytest.raises(TransferFailed) as ei:
+            client.evict([30], [30]).result(10)
+        assert {f.code for f in ei.value.failures} == {ErrorCode.PAUSED}
+        client.resume().result(10)
+        assert client.evict([30], [30]).result(10)
+
+
+def _worker_cycle(ns, root, rank, q_in, q_out):
+    """Register, then on each command re-register (after a restore)."""
+    with CacheWorker(ns, rank, run_root=root) as w:
+        arr = w.alloc_host_tensor("k0", (16, 64), "uint8")
+        arr[:] = (np.arange(16, dtype=np.uint8) + 10 * rank)[:, None]
+        w.register([CacheTensor("k0", 0, arr)])
+        q_out.put("registered")
+        while (cmd := q_in.get(timeout=60)) != "exit":
+            if cmd == "wipe":
+                arr[:] = 0
+            elif cmd == "register":
+                w.register([CacheTensor("k0", 0, arr)])
+            elif cmd == "check":
+                q_out.put(arr[:, 0].tolist())
+                continue
+            q_out.put("ok")
+
+
+@pytest.mark.parametrize("free_host", [False, True])
+def test_clear_and_restore_for_a_weight_update(namespaces, free_host):
+    launcher = namespaces.launch(tp=2, demo_caches=None, wait=False, host_blocks=16)
+    wait_for_state(launcher, RankState.ATTACHING)
+    names = launcher.names
+    ctx = mp.get_context("fork")
+    qs = [(ctx.Queue(), ctx.Queue()) for _ in range(2)]
+    workers = [ctx.Process(target=_worker_cycle, args=(names.namespace, str(names.run_root), r,
+                                                       *qs[r])) for r in range(2)]
+    for w in workers:
+        w.start()
+    try:
+        for _, out in qs:
+            assert out.get(timeout=30) == "registered"
+        client = _client(launcher)
+        try:
+            client.evict([1, 2], [7, 8]).result(10)
+            client.clear_caches(free_host=free_host).result(30)
+            assert all(launcher.seg.state_of(r) == RankState.CLEARED for r in range(2))
+            assert int(launcher.seg.header[H.KVCACHE_STATUS]) == KvCacheStatus.CLEARED
+            assert all(int(launcher.seg.ranks[r, R.CACHE_READY]) == 0 for r in range(2))
+            with pytest.raises(TransferFailed) as ei:
+                client.load([7], [3]).result(10)
+            assert {f.code for f in ei.value.failures} == {ErrorCode.CLEARED}
+            client.restore_caches().result(10)
+            for q_in, out in qs:  # the engine's new weights; then re-register
+                q_in.put("wipe")
+                assert out.get(timeout=10) == "ok"
+                q_in.put("register")
+                assert out.get(timeout=30) == "ok"
+            client.wait_ready(20)
+            assert int(launcher.seg.header[H.KVCACHE_STATUS]) == KvCacheStatus.NORMAL
+            client.load([7, 8], [3, 4]).result(10)
+            for r, (q_in, out) in enumerate(qs):
+                q_in.put("check")
+                col = out.get(timeout=10)
+                expected = [0, 0] if free_host else [1 + 10 * r, 2 + 10 * r]
+                assert col[3:5] == expected, (r, col)
+        finally:
+            client.close()
+    finally:
+        for q_in, _ in qs:
+            q_in.put("exit")
+        for w in workers:
+            w.join(20)
+            if w.is_alive():
+                w.kill()

@@ -1,0 +1,130 @@
+"""Permissions of every namespace object, and signed tcp:// traffic."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import time
+
+import numpy as np
+import pytest
+
+from kvswap.client import TransferClient
+from kvswap.client.auth import AuthFailed, ReplayGuard, load_secret, sign, verify
+from kvswap.client.errors import ErrorCode, NotReady
+from kvswap.client.protocol import Op, decode_reply, encode_request, transfer_message
+
+from test_daemon import RawPeer
+
+LAYOUT = "layers=1,block_tokens=4,heads=2,head_dim=8,blocks=16"
+SECRET = b"0123456789abcdef-kvswap-test-secret"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def secret_file(tmp_path):
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET)
+    path.chmod(0o600)
+    return path
+
+
+def test_every_namespace_object_is_owner_only(namespaces):
+    launcher = namespaces.launch(tp=2, demo_caches=LAYOUT, host_blocks=8)
+    names = launcher.names
+    assert stat.S_IMODE(names.run_dir.stat().st_mode) == 0o700
+    for r in range(2):
+        assert stat.S_IMODE(names.endpoint_path(r).stat().st_mode) == 0o600
+    entries = names.owned_shm()
+    p = names.prefix
+    for expected in (f"{p}signals", f"{p}swap.r0", f"{p}swap.r1", f"{p}dev.r0.k0",
+                     f"sem.{p}wake.r1", f"sem.{p}layer.r0"):
+        assert expected in entries, (expected, entries)
+    for e in entries:
+        assert stat.S_IMODE(os.stat(f"/dev/shm/{e}").st_mode) == 0o600, e
+
+
+class Peer(RawPeer):
+    """A raw DEALER on the tcp:// listener; replies are signed, so verify them."""
+
+    def ask(self, frames, timeout_s: float = 10.0):
+        self.sock.send_multipart(frames)
+        assert self.sock.poll(int(timeout_s * 1000)), "no reply"
+        _, body = verify(SECRET, self.sock.recv_multipart())
+        return decode_reply(body[0])
+
+
+def test_tcp_requires_signed_fresh_unreplayed_messages(namespaces, secret_file):
+    port = _free_port()
+    launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=8,
+                                 tcp=f"127.0.0.1:{port}", secret_file=str(secret_file))
+    names = launcher.names
+    with TransferClient(names.namespace, 1, run_root=str(names.run_root),
+                        tcp=f"127.0.0.1:{port}", secret=SECRET) as client:
+        client.wait_ready(10)
+        assert client.evict([1, 2], [3, 4]).result(10).replies[0].ok
+        assert client.ping().result(10).replies[0].fields["state"] == "READY"
+
+    peer = Peer(f"tcp://127.0.0.1:{port}")
+    try:
+        msg = transfer_message(Op.EVICT, 7, np.array([1], "<i4"), np.array([1], "<i4"))
+        unsigned = msg.frames(ts=time.time_ns())
+        r = peer.ask(unsigned)
+        assert r.code == ErrorCode.AUTH_FAILED and "unsigned" in r.message
+        forged = sign(b"not-the-secret-at-all-000000", msg.frames(ts=time.time_ns()))
+        r = peer.ask(forged)
+        assert r.code == ErrorCode.AUTH_FAILED and "bad signature" in r.message
+        tampered = sign(SECRET, msg.frames(ts=time.time_ns()))
+        tampered[-1] = np.array([2], "<i4").tobytes()  # change an id after signing
+        assert peer.ask(tampered).code == ErrorCode.AUTH_FAILED
+        good = sign(SECRET, msg.frames(ts=time.time_ns()))
+        assert peer.ask(good).ok
+        r = peer.ask(good)  # the very same bytes again
+        assert r.code == ErrorCode.AUTH_FAILED and "replayed" in r.message
+        stale = sign(SECRET, msg.frames(ts=time.time_ns() - 3600 * 10**9))
+        assert peer.ask(stale).code == ErrorCode.AUTH_FAILED
+        no_ts = sign(SECRET, encode_request(Op.PING, 9))
+        assert peer.ask(no_ts).code == ErrorCode.AUTH_FAILED
+        # the ipc:// socket stays unsigned for local clients
+        with TransferClient(names.namespace, 1, run_root=str(names.run_root)) as local:
+            assert local.evict([5], [5]).result(10).replies[0].ok
+    finally:
+        peer.close()
+
+
+def test_secret_file_must_be_private(namespaces, tmp_path):
+    loose = tmp_path / "loose"
+    loose.write_bytes(SECRET)
+    loose.chmod(0o644)
+    with pytest.raises(AuthFailed, match="chmod 600"):
+        load_secret(loose)
+    short = tmp_path / "short"
+    short.write_bytes(b"tiny")
+    short.chmod(0o600)
+    with pytest.raises(AuthFailed, match="shorter"):
+        load_secret(short)
+    with pytest.raises(NotReady, match="rank 0"):
+        namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=8,
+                          tcp=f"127.0.0.1:{_free_port()}", secret_file=str(loose))
+
+
+def test_replay_guard_forgets_outside_the_window():
+    g = ReplayGuard(window_s=0.05)
+    now = time.time_ns()
+    g.check(b"a" * 32, now)
+    with pytest.raises(AuthFailed):
+        g.check(b"a" * 32, now)
+    g.check(b"b" * 32, now)
+    assert len(g) == 2
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        g.check(os.urandom(32), time.time_ns())  # each call also expires old entries
+        if b"a" * 32 not in g._seen:
+            break
+    assert b"a" * 32 not in g._seen

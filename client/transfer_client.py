@@ -260,6 +260,7 @@ class TransferClient:
         self._wake_tx.setsockopt(zmq.SNDHWM, 1)
         self._wake_tx.connect(addr)
         self._wake_lock = threading.Lock()
+        self._wake_pending = False
         if tcp is not None and not secret:
             raise ValueError("a tcp:// client needs the shared secret")
         self._secret = secret if tcp is not None else None
@@ -460,11 +461,18 @@ class TransferClient:
                     for x in refused]))
 
     def _wake(self) -> None:
+        """Make the I/O thread drain the outbox.  Skipped while a wake-up is already
+        pending: the I/O thread clears ``_wake_pending`` *before* it drains, so an
+        item appended before that is drained, and one appended after finds the flag
+        clear and sends a new wake-up."""
+        if self._wake_pending:
+            return
         with self._wake_lock:
+            self._wake_pending = True
             try:
                 self._wake_tx.send(b"", zmq.NOBLOCK)
             except zmq.Again:
-                pass  # a wake-up is already queued; the I/O thread drains the whole outbox
+                pass  # the PAIR already holds a wake-up
 
     # ------------------------------------------------------------------ I/O thread
     def _io_loop(self) -> None:
@@ -486,6 +494,7 @@ class TransferClient:
                         self._wake_rx.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+            self._wake_pending = False
             self._watch_ranks()
             self._send_outbox()
             for s in self._dealers:

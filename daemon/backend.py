@@ -13,13 +13,13 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import posix_ipc
 
-from kvswap.client.errors import ErrorCode, InvalidTask
+from kvswap.client.errors import ErrorCode, InvalidTask, NotReady
 from kvswap.client.layout import TensorDesc
 from kvswap.client.naming import Names
 from kvswap.client.protocol import Op
 from kvswap.client.shm_region import ShmRegion
 from kvswap.daemon.swap_space import HostSwapSpace
-from kvswap.kernels.host_copy import as_block_bytes, copy_blocks
+from kvswap.kernels.host_copy import BlockCopier
 from kvswap.kernels.planner import plan_copy
 
 log = logging.getLogger("kvswap.daemon.backend")
@@ -58,7 +58,7 @@ class HostBackend:
         self.names = names
         self.rank = rank
         self._regions: list[ShmRegion] = []
-        self._pairs: list[tuple[np.ndarray, np.ndarray]] = []  # (device, host) byte views
+        self._copier: BlockCopier | None = None  # (device, host) pairs
 
     def attach(self, tensors: Sequence[TensorDesc], swap: HostSwapSpace) -> None:
         prefix = f"/{self.names.prefix}dev.r{self.rank}."
@@ -73,32 +73,32 @@ class HostBackend:
                         f"'{prefix}<name>' (use CacheWorker.alloc_host_tensor), got {seg!r}",
                         ErrorCode.BAD_LAYOUT)
                 try:
-                    region = ShmRegion.attach(seg, min_size=t.nbytes)
+                    region = ShmRegion.attach(seg, min_size=t.nbytes, populate=True)
                 except posix_ipc.ExistentialError:
                     raise InvalidTask(f"tensor {t.name}: shm segment {seg} does not exist",
                                       ErrorCode.BAD_LAYOUT) from None
                 except ValueError as exc:
                     raise InvalidTask(f"tensor {t.name}: {exc}", ErrorCode.BAD_LAYOUT) from None
                 regions.append(region)
-                dev = as_block_bytes(region.array(0, t.shape, t.dtype))
-                pairs.append((dev, host))
+                pairs.append((region.array(0, t.shape, t.dtype), host))
         except BaseException:
             pairs.clear()
             for r in regions:
                 r.close()
             raise
         self.detach()
-        self._regions, self._pairs = regions, pairs
+        self._regions, self._copier = regions, BlockCopier(pairs)
 
     def copy(self, op: Op, device_ids: np.ndarray, host_ids: np.ndarray,
              tensors: Sequence[int] | None = None) -> int:
-        pairs = self._pairs if tensors is None else [self._pairs[i] for i in tensors]
+        if self._copier is None:
+            raise NotReady("host backend: no caches attached")
         if op is Op.EVICT:
-            return copy_blocks(plan_copy(device_ids, host_ids), pairs)
-        return copy_blocks(plan_copy(host_ids, device_ids), [(h, d) for d, h in pairs])
+            return self._copier.copy(plan_copy(device_ids, host_ids), True, tensors)
+        return self._copier.copy(plan_copy(host_ids, device_ids), False, tensors)
 
     def detach(self) -> None:
-        self._pairs = []
+        self._copier = None
         for r in self._regions:
             r.close()
         self._regions = []

@@ -461,20 +461,23 @@ class Daemon:
             except zmq.Again:
                 break
         while self._done:
-            c = self._done.popleft()
-            job = c.job
-            if job.op in (Op.EVICT, Op.LOAD):
-                self.sig.add(R.INFLIGHT, -1)
-                if c.code == ErrorCode.OK:
-                    self.sig.add(R.COMPLETED, 1)
-                    self.sig.add(R.BYTES_EVICTED if job.op is Op.EVICT else R.BYTES_LOADED,
-                                 c.nbytes)
-                elif c.code != ErrorCode.CANCELLED:
-                    self.sig.add(R.FAILED, 1)
-            self._reply(job.route, job.req_id, c.code, c.message,
-                        queued_us=(c.t_start - job.t_recv) / 1e3,
-                        exec_us=(c.t_end - c.t_start) / 1e3, fields=c.fields)
+            self._deliver(self._done.popleft())
         self._answer_pause_waiters()
+
+    def _deliver(self, c: Completion) -> None:
+        """Count a finished job and answer it (I/O thread)."""
+        job = c.job
+        if job.op in (Op.EVICT, Op.LOAD):
+            self.sig.add(R.INFLIGHT, -1)
+            if c.code == ErrorCode.OK:
+                self.sig.add(R.COMPLETED, 1)
+                self.sig.add(R.BYTES_EVICTED if job.op is Op.EVICT else R.BYTES_LOADED,
+                             c.nbytes)
+            elif c.code != ErrorCode.CANCELLED:
+                self.sig.add(R.FAILED, 1)
+        self._reply(job.route, job.req_id, c.code, c.message,
+                    queued_us=(c.t_start - job.t_recv) / 1e3,
+                    exec_us=(c.t_end - c.t_start) / 1e3, fields=c.fields)
 
     def _answer_pause_waiters(self) -> None:
         if self._pause_waiters and self.sig[R.INFLIGHT] == 0:
@@ -518,9 +521,9 @@ class Daemon:
                                       claim_if_alone=small and not layerwise)
         if task.state is TaskState.RUNNING:
             # Small, ready, nothing else waiting: copy here and save two thread hand-offs.
-            self._execute([task])
+            (done,) = self._execute([task])
             self._scheduler.finish([task])
-            self._flush_completions()
+            self._deliver(done)
 
     def _admit_transfer(self, job: Job, req: Request | None) -> None:
         self._check_serving()
@@ -558,8 +561,13 @@ class Daemon:
         self._flush_completions()  # the task's CANCELLED reply precedes the cancel's reply
         return {"cancelled": True}
 
-    def _execute(self, batch: list[Task]) -> None:
-        """Run one batch of tasks (a transfer worker thread); never raises."""
+    def _run_batch_on_worker(self, batch: list[Task]) -> None:
+        """The scheduler's ``run_batch`` (a transfer worker thread)."""
+        for c in self._execute(batch):
+            self._complete(c)
+
+    def _execute(self, batch: list[Task]) -> list[Completion]:
+        """Copy one batch of tasks; never raises (a failure is every task's outcome)."""
         t_start = time.perf_counter_ns()
         op = batch[0].op
         try:
@@ -571,15 +579,15 @@ class Daemon:
         except Exception as exc:  # a copy that raised: report it on every task, keep serving
             log.exception("%s of %d task(s) failed", op.value, len(batch))
             t_end = time.perf_counter_ns()
-            for t in batch:
-                self._complete(Completion(t.ctx, ErrorCode.TRANSFER_FAILED,
-                                          f"{type(exc).__name__}: {exc}", t_start, t_end))
-            return
+            return [Completion(t.ctx, ErrorCode.TRANSFER_FAILED, f"{type(exc).__name__}: {exc}",
+                               t_start, t_end) for t in batch]
         t_end = time.perf_counter_ns()
+        out = []
         for t in batch:
             nbytes = t.num_blocks * self._block_bytes
-            self._complete(Completion(t.ctx, ErrorCode.OK, "", t_start, t_end, nbytes,
-                                      {"bytes": nbytes, "merged": len(batch)}))
+            out.append(Completion(t.ctx, ErrorCode.OK, "", t_start, t_end, nbytes,
+                                  {"bytes": nbytes, "merged": len(batch)}))
+        return out
 
     def _execute_layerwise(self, task: Task) -> None:
         entry = self.layers.begin(task.ctx.req_id, len(self._layer_groups))
@@ -668,7 +676,8 @@ class Daemon:
         layers = sorted({t.layer for t in tensors})
         self._layer_groups = [[i for i, t in enumerate(tensors) if t.layer == layer]
                               for layer in layers]
-        self._scheduler = Scheduler(self._num_device_blocks, self._num_host_blocks, self._execute,
+        self._scheduler = Scheduler(self._num_device_blocks, self._num_host_blocks,
+                                    self._run_batch_on_worker,
                                     workers=self.cfg.workers, merge=self.cfg.merge,
                                     max_merge_blocks=self.cfg.max_merge_blocks)
         self.sig[R.NUM_DEVICE_BLOCKS] = self._num_device_blocks

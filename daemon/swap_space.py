@@ -89,7 +89,7 @@ class HostSwapSpace:
         digest = layout_hash(tensors)
         layout = SwapLayout.of(tensors, num_host_blocks)
         try:
-            region = ShmRegion.attach(name)
+            region = ShmRegion.attach(name, populate=True)
         except posix_ipc.ExistentialError:
             region = None
         if region is not None:
@@ -114,7 +114,7 @@ class HostSwapSpace:
                         name)
             region.close()
             posix_ipc.unlink_shared_memory(name)
-        region = ShmRegion.create(name, layout.size)
+        region = ShmRegion.create(name, layout.size, populate=True)
         hdr = region.array(0, (HEADER_BYTES,), np.uint8)
         words = hdr[:_DATA + 8].view("<u8")
         hdr[_HASH:_HASH + 32] = np.frombuffer(digest, dtype=np.uint8)

@@ -10,7 +10,7 @@ Ranges:
     1xx      malformed traffic (protocol errors)
     2xx      a well-formed request that is invalid (rejected whole, nothing changed)
     3xx      the daemon's state does not allow the request now
-    4xx      a transfer was accepted but did not complete
+    4xx      a transfer was accepted but did not complete (or the storage tier failed)
     5xx      something did not happen in time
 """
 
@@ -49,11 +49,13 @@ class ErrorCode(enum.IntEnum):
     TRANSFER_FAILED = 400  # copy raised on the daemon
     CANCELLED = 401  # cancelled before it started (nothing was copied)
     INTERNAL_ERROR = 402  # the daemon hit an unexpected error on this request (see its log)
+    STORAGE_ERROR = 403  # the storage tier (file directory, Redis, ...) is unreachable or failed
 
     RANK_TIMEOUT = 500  # a rank did not answer in time
     BARRIER_TIMEOUT = 501
     BARRIER_ABORTED = 502  # a barrier participant failed or stopped beating
     NAMESPACE_ERROR = 503  # namespace missing, in use, or unusable
+    STORAGE_TIMEOUT = 504  # a storage tier call exceeded its timeout
 
 
 class KvswapError(Exception):
@@ -96,6 +98,22 @@ class BarrierAborted(KvswapError):
 
 class NamespaceError(KvswapError):
     default_code = ErrorCode.NAMESPACE_ERROR
+
+
+class StorageError(KvswapError):
+    """The storage tier behind host swap space failed: unreachable, I/O error, full.
+
+    Raised by a storage backend for the whole call; entries of a batch written
+    before the failure may be stored (``put`` is idempotent, so a retry skips them).
+    """
+
+    default_code = ErrorCode.STORAGE_ERROR
+
+
+class StorageTimeout(StorageError, TimeoutError):
+    """A storage call waited longer than its timeout for the backend."""
+
+    default_code = ErrorCode.STORAGE_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -156,6 +174,8 @@ def error_for_code(code: int, message: str) -> KvswapError:
         ErrorCode.BARRIER_TIMEOUT: BarrierTimeout,
         ErrorCode.BARRIER_ABORTED: BarrierAborted,
         ErrorCode.NAMESPACE_ERROR: NamespaceError,
+        ErrorCode.STORAGE_ERROR: StorageError,
+        ErrorCode.STORAGE_TIMEOUT: StorageTimeout,
     }
     cls = special.get(ec)
     if cls is None:

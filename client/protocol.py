@@ -31,7 +31,7 @@ import numpy as np
 
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, ProtocolError
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 2)
+PROTOCOL_VERSION: tuple[int, int] = (1, 3)
 
 # id frame dtypes accepted on the wire (little-endian only, so frames mean the
 # same on every host).
@@ -45,6 +45,9 @@ class Op(str, enum.Enum):
     LOAD = "load"
     BATCH = "batch"
     CANCEL = "cancel"
+    BACKUP = "backup"
+    PREFETCH = "prefetch"
+    EXISTS = "exists"
     PAUSE = "pause"
     RESUME = "resume"
     CLEAR = "clear"
@@ -94,6 +97,16 @@ OPS: dict[Op, OpSpec] = {
                "answered under its own id", {"ep": list}),
         OpSpec(Op.CANCEL, {"target": int}, 0, HandlerKind.INLINE, ("cancelled",),
                "cancel a task of this connection that has not started"),
+        OpSpec(Op.BACKUP, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, ("count", "skipped"),
+               "host blocks -> storage: frames are the host ids and n 32-byte keys; keys "
+               "already stored are skipped", {"ep": list, "priority": int}),
+        OpSpec(Op.PREFETCH, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, ("count",),
+               "storage -> host blocks: frames are the host ids and n 32-byte keys; the "
+               "ranks agree on how many leading keys every rank loaded", {"ep": list,
+                                                                           "priority": int}),
+        OpSpec(Op.EXISTS, {"n": int}, 1, HandlerKind.TRANSFER, ("count",),
+               "how many leading keys (one frame of n 32-byte keys) this rank has stored",
+               {"ep": list}),
         OpSpec(Op.PAUSE, {}, 0, HandlerKind.INLINE, (),
                "refuse new transfers (PAUSED); answered once every accepted task finished"),
         OpSpec(Op.RESUME, {}, 0, HandlerKind.INLINE, (), "accept transfers again"),
@@ -371,6 +384,29 @@ def transfer_message(op: Op, req_id: int, device_ids: np.ndarray, host_ids: np.n
                             host_ids.astype(dtype, copy=False)], epoch_stamped=True)
 
 
+def validate_storage(op: Op, host_ids: np.ndarray | None, n_keys: int,
+                     num_host_blocks: int) -> None:
+    """``backup``/``prefetch``: one host block per key, in range; a prefetch names no
+    destination block twice (sources of a backup may repeat)."""
+    if host_ids is None:
+        return
+    if host_ids.shape[0] != n_keys:
+        raise InvalidTask(f"{op.value}: {host_ids.shape[0]} host blocks but {n_keys} keys",
+                          ErrorCode.LENGTH_MISMATCH)
+    if n_keys == 0:
+        return
+    lo, hi = int(host_ids.min()), int(host_ids.max())
+    if lo < 0 or hi >= num_host_blocks:
+        raise InvalidTask(f"{op.value}: host block id {lo if lo < 0 else hi} out of range "
+                          f"[0, {num_host_blocks})", ErrorCode.ID_OUT_OF_RANGE)
+    if op is Op.PREFETCH and n_keys > 1:
+        s = np.sort(host_ids)
+        dup = s[1:] == s[:-1]
+        if dup.any():
+            raise InvalidTask(f"prefetch: destination host block {int(s[1:][dup][0])} named "
+                              f"more than once", ErrorCode.DUPLICATE_DESTINATION)
+
+
 def encode_transfer(op: Op, req_id: int, device_ids: np.ndarray, host_ids: np.ndarray,
                     priority: int = 0, layerwise: bool = False) -> list:
     """Frames of a transfer request (no epoch stamp)."""
@@ -417,6 +453,42 @@ def decode_batch(req: Request) -> list[BatchTask]:
                                    f"batch task {i}: field {name!r} must be {t.__name__}", req.id)
         out.append(BatchTask(item["id"], op, item, req.frames[2 * i], req.frames[2 * i + 1]))
     return out
+
+
+# ------------------------------------------------------------------ storage ops
+
+KEY_BYTES = 32  # a block key (client.block_keys.block_hashes)
+
+
+def as_keys(keys: Any, what: str = "keys") -> np.ndarray:
+    """A sequence of 32-byte keys as an (n, 32) uint8 array (a private copy)."""
+    items = list(keys)
+    for i, k in enumerate(items):
+        if not isinstance(k, (bytes, bytearray, memoryview)) or len(k) != KEY_BYTES:
+            raise InvalidTask(f"{what}[{i}] must be {KEY_BYTES} bytes (block_hashes gives them)",
+                              ErrorCode.BAD_FIELD)
+    return np.frombuffer(b"".join(bytes(k) for k in items), dtype=np.uint8).reshape(
+        len(items), KEY_BYTES).copy()
+
+
+def decode_keys(buf: Any, n: int) -> np.ndarray:
+    mv = memoryview(buf)
+    if n < 0 or mv.nbytes != n * KEY_BYTES:
+        raise InvalidTask(f"keys frame holds {mv.nbytes} bytes, expected n={n} x {KEY_BYTES}",
+                          ErrorCode.BAD_FIELD)
+    return np.frombuffer(mv, dtype=np.uint8).reshape(n, KEY_BYTES)
+
+
+def storage_message(op: Op, req_id: int, host_ids: np.ndarray | None, keys: np.ndarray,
+                    priority: int = 0) -> Message:
+    """``backup``/``prefetch`` (host ids + keys) or ``exists`` (keys only)."""
+    header: dict = {"v": list(PROTOCOL_VERSION), "id": req_id, "op": op.value,
+                    "n": int(keys.shape[0]), **_transfer_fields(priority, False)}
+    tail: list = [keys]
+    if host_ids is not None:
+        header["ids"] = _wire_dtype((host_ids,))
+        tail = [host_ids.astype(header["ids"], copy=False), keys]
+    return Message(header, tail, epoch_stamped=True)
 
 
 @dataclass(frozen=True)

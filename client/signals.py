@@ -16,6 +16,11 @@ readers never see a torn value and no lock is needed.  Observing the segment nev
     +-----------------------------+-------------------+-----+------------+------------------+
     layer tables: per rank, 64 entries x 8 u64 (4 KiB):
         task_id | generation | layers_done | num_layers | state (LayerState) | 3 reserved
+    then agreement tables: per rank, 64 entries x 4 u64 (2 KiB):
+        task_id | round | value | state (AgreeState)
+    then stats: per rank, latency histograms (evict, load, backup, prefetch) x
+        (queued, exec) x (26 log2-us buckets, count, sum_us), then 64 error counters
+        indexed by ErrorCode position
 
     namespace header                      rank block
     slot  field                           slot  field
@@ -71,7 +76,7 @@ from kvswap.client.errors import (
 from kvswap.client.naming import Names
 
 MAGIC = int.from_bytes(b"KVSWAPSG", "little")
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 4
 HEADER_SLOTS = 16
 RANK_SLOTS = 32
 RANK_BYTES = RANK_SLOTS * 8
@@ -80,6 +85,19 @@ RANKS_OFFSET = HEADER_SLOTS * 8
 LAYER_SLOTS = 64  # layer-progress entries per rank (a ring)
 LAYER_ENTRY_SLOTS = 8
 LAYER_TABLE_BYTES = LAYER_SLOTS * LAYER_ENTRY_SLOTS * 8
+AGREE_SLOTS = 64  # agreement entries per rank (a ring)
+AGREE_ENTRY_SLOTS = 4
+AGREE_TABLE_BYTES = AGREE_SLOTS * AGREE_ENTRY_SLOTS * 8
+
+# Latency histograms: per rank, per timed op, per phase, log2 buckets of
+# microseconds (bucket b counts values in [2^(b-1), 2^b) us; bucket 0 is < 1 us;
+# the last bucket also takes everything longer), then a count and a sum (us).
+HIST_OPS = ("evict", "load", "backup", "prefetch")
+HIST_PHASES = ("queued", "exec")
+HIST_BUCKETS = 26  # up to 2^25 us (33 s) before the open last bucket
+HIST_SLOTS = HIST_BUCKETS + 2  # buckets, count, sum_us
+ERROR_SLOTS = 64  # errors by code, indexed by position in ErrorCode
+STATS_BYTES = (len(HIST_OPS) * len(HIST_PHASES) * HIST_SLOTS + ERROR_SLOTS) * 8
 SHM_MODE = 0o600
 
 
@@ -226,8 +244,76 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def segment_size(tp_size: int) -> int:
+def agree_offset(tp_size: int) -> int:
     return layers_offset(tp_size) + tp_size * LAYER_TABLE_BYTES
+
+
+def stats_offset(tp_size: int) -> int:
+    return agree_offset(tp_size) + tp_size * AGREE_TABLE_BYTES
+
+
+def segment_size(tp_size: int) -> int:
+    return stats_offset(tp_size) + tp_size * STATS_BYTES
+
+
+_ERROR_INDEX = {code: i for i, code in enumerate(ErrorCode)}
+assert len(_ERROR_INDEX) <= ERROR_SLOTS
+
+
+def hist_bucket(us: float) -> int:
+    """Bucket of a duration in microseconds (see HIST_BUCKETS)."""
+    return min(HIST_BUCKETS - 1, max(0, int(us)).bit_length())
+
+
+class RankStats:
+    """A rank's histograms and error counters; written by its daemon's I/O thread only."""
+
+    __slots__ = ("hist", "errors")
+
+    def __init__(self, hist: np.ndarray, errors: np.ndarray):
+        self.hist = hist  # (op, phase, HIST_SLOTS)
+        self.errors = errors  # (ERROR_SLOTS,)
+
+    def record(self, op: int, phase: int, us: float) -> None:
+        row = self.hist[op, phase]
+        b = hist_bucket(us)
+        row[b] = int(row[b]) + 1
+        row[HIST_BUCKETS] = int(row[HIST_BUCKETS]) + 1
+        row[HIST_BUCKETS + 1] = int(row[HIST_BUCKETS + 1]) + int(us)
+
+    def error(self, code: ErrorCode) -> None:
+        i = _ERROR_INDEX[code]
+        self.errors[i] = int(self.errors[i]) + 1
+
+    def snapshot(self) -> dict:
+        hist = {}
+        for oi, op in enumerate(HIST_OPS):
+            hist[op] = {}
+            for pi, phase in enumerate(HIST_PHASES):
+                row = self.hist[oi, pi]
+                hist[op][phase] = {"buckets": [int(x) for x in row[:HIST_BUCKETS]],
+                                   "count": int(row[HIST_BUCKETS]),
+                                   "sum_us": int(row[HIST_BUCKETS + 1])}
+        errors = {code.name: int(self.errors[i]) for code, i in _ERROR_INDEX.items()
+                  if int(self.errors[i])}
+        return {"histograms": hist, "errors": errors}
+
+
+@enum.unique
+class A(enum.IntEnum):
+    """Slot index inside one agreement entry."""
+
+    TASK_ID = 0  # written last when the entry is posted
+    ROUND = 1
+    VALUE = 2
+    STATE = 3  # AgreeState
+
+
+@enum.unique
+class AgreeState(enum.IntEnum):
+    FREE = 0
+    POSTED = 1
+    ABORTED = 2  # the owner gave up (timeout, failure, cancel): everyone aborts
 
 
 @enum.unique
@@ -271,6 +357,10 @@ class SignalSegment:
                                 offset=RANKS_OFFSET)
         self.layers = np.ndarray((self.tp_size, LAYER_SLOTS, LAYER_ENTRY_SLOTS), dtype="<u8",
                                  buffer=buf, offset=layers_offset(self.tp_size))
+        self.agree = np.ndarray((self.tp_size, AGREE_SLOTS, AGREE_ENTRY_SLOTS), dtype="<u8",
+                                buffer=buf, offset=agree_offset(self.tp_size))
+        self._stats = np.ndarray((self.tp_size, STATS_BYTES // 8), dtype="<u8", buffer=buf,
+                                 offset=stats_offset(self.tp_size))
 
     # ------------------------------------------------------------------ open/close
     @classmethod
@@ -340,7 +430,7 @@ class SignalSegment:
         if self._buf is None:
             return
         # Views must be dropped before the mmap can close.
-        del self.header, self.ranks, self.layers
+        del self.header, self.ranks, self.layers, self.agree, self._stats
         try:
             self._buf.close()
         except BufferError:
@@ -363,6 +453,12 @@ class SignalSegment:
         if not 0 <= r < self.tp_size:
             raise ValueError(f"rank {r} out of range for tp_size {self.tp_size}")
         return RankSignals(r, self.ranks[r])
+
+    def stats(self, r: int) -> RankStats:
+        n_hist = len(HIST_OPS) * len(HIST_PHASES) * HIST_SLOTS
+        row = self._stats[r]
+        return RankStats(row[:n_hist].reshape(len(HIST_OPS), len(HIST_PHASES), HIST_SLOTS),
+                         row[n_hist:])
 
     def state_of(self, r: int) -> RankState:
         try:
@@ -392,6 +488,7 @@ class SignalSegment:
                 row["last_error"] = str(row["last_error"])
             row["heartbeat_age_s"] = self.heartbeat_age_s(r, now)
             del row["heartbeat_ns"]
+            row.update(self.stats(r).snapshot())
             ranks.append(row)
         try:
             kv = KvCacheStatus(int(hdr[H.KVCACHE_STATUS])).name

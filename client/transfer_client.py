@@ -44,9 +44,12 @@ from kvswap.client.protocol import (
     Op,
     Reply,
     as_block_ids,
+    as_keys,
     batch_message,
     decode_reply,
+    storage_message,
     transfer_message,
+    validate_storage,
     validate_transfer,
 )
 from kvswap.client.signals import R, RankState, SignalSegment, wait_ranks
@@ -103,6 +106,12 @@ class TaskResult:
     def nbytes(self) -> int:
         return sum(int(r.fields.get("bytes", 0)) for r in self.replies.values())
 
+    @property
+    def count(self) -> int:
+        """The op's count, agreed over ranks (the minimum): blocks a prefetch loaded,
+        leading keys ``exists`` found, entries a backup stored."""
+        return min(int(r.fields.get("count", 0)) for r in self.replies.values())
+
 
 class TransferFuture:
     """Completes when every rank of the task has answered (or at its deadline)."""
@@ -114,6 +123,7 @@ class TransferFuture:
         self.message: Message | None = None  # what to send (again, after a restart)
         self.blocks: tuple[np.ndarray, np.ndarray] | None = None  # (device, host) ids
         self.retried: set[int] = set()  # ranks this task was re-sent to
+        self.backup: TransferFuture | None = None  # evict(..., backup_keys=...)
         self.op = op
         self.ranks = tuple(ranks)
         self.deadline = deadline
@@ -307,9 +317,17 @@ class TransferClient:
         return (dev, host) if dev and host else None
 
     # ------------------------------------------------------------------ submission
-    def evict(self, device_blocks: Any, host_blocks: Any, *, priority: int = 0) -> TransferFuture:
-        """Copy device blocks to host blocks (pairwise) for every tensor on every rank."""
-        return self._transfer(TransferSpec(Op.EVICT, device_blocks, host_blocks, priority))
+    def evict(self, device_blocks: Any, host_blocks: Any, *, priority: int = 0,
+              backup_keys: Sequence[bytes] | None = None) -> TransferFuture:
+        """Copy device blocks to host blocks (pairwise) for every tensor on every rank.
+
+        ``backup_keys`` (write-through to storage): also back the host blocks up under
+        these keys; the backup runs after the evict on every rank (hazard ordering)
+        and its future is the returned future's ``backup``."""
+        fut = self._transfer(TransferSpec(Op.EVICT, device_blocks, host_blocks, priority))
+        if backup_keys is not None:
+            fut.backup = self.backup(host_blocks, backup_keys, priority=priority)
+        return fut
 
     def load(self, host_blocks: Any, device_blocks: Any, *, priority: int = 0,
              layerwise: bool = False) -> TransferFuture:
@@ -320,6 +338,37 @@ class TransferClient:
         future.task_id, 0, timeout)`` before the last layer has arrived."""
         return self._transfer(TransferSpec(Op.LOAD, device_blocks, host_blocks, priority,
                                            layerwise))
+
+    # ------------------------------------------------------------------ storage tier
+    def backup(self, host_blocks: Any, keys: Sequence[bytes], *,
+               priority: int = 0) -> TransferFuture:
+        """Host swap space -> storage: host block i is stored under ``keys[i]`` (from
+        :func:`block_hashes`) on every rank.  Keys already stored are skipped; each
+        reply says how many were stored (``count``) and ``skipped``."""
+        return self._storage(Op.BACKUP, host_blocks, keys, priority)
+
+    def prefetch(self, keys: Sequence[bytes], host_blocks: Any, *,
+                 priority: int = 0) -> TransferFuture:
+        """Storage -> host swap space for the longest prefix of ``keys`` that every rank
+        holds and can read intact; ``result().count`` is that prefix length (the ranks
+        agree on it through shared memory).  Host blocks past it hold nothing usable."""
+        return self._storage(Op.PREFETCH, host_blocks, keys, priority)
+
+    def exists(self, keys: Sequence[bytes]) -> TransferFuture:
+        """``result().count``: how many leading keys are stored on every rank."""
+        return self._storage(Op.EXISTS, None, keys, 0)
+
+    def _storage(self, op: Op, host_blocks: Any, keys: Sequence[bytes],
+                 priority: int) -> TransferFuture:
+        k = as_keys(keys)
+        host = None if host_blocks is None else as_block_ids(host_blocks, "host_blocks")
+        limits = self._block_limits()
+        validate_storage(op, host, k.shape[0], limits[1] if limits else np.iinfo(np.int64).max)
+        fut = self._new_future(op)
+        if host is not None:
+            fut.blocks = (np.empty(0, dtype=host.dtype), host)
+        self._enqueue(fut, storage_message(op, fut.task_id, host, k, priority))
+        return fut
 
     def submit_batch(self, tasks: Sequence["TransferSpec"]) -> list[TransferFuture]:
         """Submit many tasks in one message per rank; one future per task, in order.

@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rank r also listens on tcp://HOST:BASEPORT+r, accepting only "
                          "HMAC-SHA256 signed messages (needs --secret-file)")
     la.add_argument("--secret-file", default=None, help="shared secret for --tcp (mode 0600)")
+    la.add_argument("--storage", default=None, metavar="URL",
+                    help="storage tier: file:///DIR[?capacity_bytes=N] or redis://HOST:PORT/DB")
+    la.add_argument("--model-id", default="default",
+                    help="model identity in stored entries' names (with the cache layout)")
     la.add_argument("--daemon-args", default="", metavar="ARGS",
                     help="extra kvswapd flags, one quoted string, e.g. "
                          "\"--workers 4 --orphan-timeout 10\" (see kvswapd --help)")
@@ -137,6 +141,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
             ready_timeout_s=args.ready_timeout, stop_timeout_s=args.stop_timeout,
             log_level=args.log_level, daemon_args=shlex.split(args.daemon_args),
             engine_timeout_s=args.engine_timeout, tcp=args.tcp, secret_file=args.secret_file,
+            storage_url=args.storage, model_id=args.model_id,
             supervision=SupervisorConfig(max_retries=args.max_restarts,
                                          stale_after_s=args.stale_after)))
         launcher.start()
@@ -205,8 +210,9 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"kvswap metrics: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
+    host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address
     print(f"kvswap: serving metrics of namespace {args.namespace} on "
-          f"http://{args.host}:{server.server_port}/metrics", flush=True)
+          f"http://{host}:{server.server_port}/metrics", flush=True)
     while not stop.wait(0.5):
         pass
     server.shutdown()

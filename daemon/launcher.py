@@ -63,6 +63,8 @@ class LaunchConfig:
     engine_timeout_s: float = 60.0  # engine heartbeat seen, then silent this long: tear down
     tcp: str | None = None  # "HOST:BASEPORT": rank r also listens on tcp://HOST:BASEPORT+r
     secret_file: str | None = None  # required with tcp
+    storage_url: str | None = None  # storage tier for every rank (docs/storage.md)
+    model_id: str = "default"
 
 
 def log_tail(path: Path, lines: int = 15) -> str:
@@ -163,6 +165,8 @@ class Launcher:
             cmd += ["--device", str(c.devices[rank])]
         if c.demo_caches is not None:
             cmd += ["--demo-caches", c.demo_caches] if c.demo_caches else ["--demo-caches"]
+        if c.storage_url is not None:
+            cmd += ["--storage", c.storage_url, "--model-id", c.model_id]
         if c.tcp is not None:
             cmd += ["--listen-tcp", tcp_endpoints(c.tcp, c.tp)[rank],
                     "--secret-file", str(c.secret_file)]

@@ -46,6 +46,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="shared secret for --listen-tcp (mode 0600, >= 16 bytes)")
     p.add_argument("--replay-window", type=float, default=60.0,
                    help="signed requests must be this fresh; replays inside it are refused")
+    p.add_argument("--storage", default=None, metavar="URL",
+                   help="storage tier behind the host swap space: file:///DIR[?capacity_bytes=N] "
+                        "or redis://HOST:PORT/DB (docs/storage.md)")
+    p.add_argument("--model-id", default="default",
+                   help="model identity mixed into every stored entry's name, so two models "
+                        "never share entries (default 'default')")
+    p.add_argument("--storage-timeout", type=float, default=30.0,
+                   help="how long a prefetch waits for the other ranks to agree (default 30)")
     p.add_argument("--orphan-timeout", type=float, default=30.0,
                    help="exit when the launcher is gone and the engine heartbeat has been "
                         "silent (or absent) this long (default 30)")
@@ -88,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         max_merge_blocks=args.max_merge_blocks, inline_max_bytes=args.inline_max_bytes,
         orphan_timeout_s=args.orphan_timeout, drain_timeout_s=args.drain_timeout,
         listen_tcp=args.listen_tcp, secret_file=args.secret_file,
-        replay_window_s=args.replay_window,
+        replay_window_s=args.replay_window, storage_url=args.storage, model_id=args.model_id,
+        storage_timeout_s=args.storage_timeout,
     )
     try:
         return Daemon(cfg).run()

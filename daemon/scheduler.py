@@ -55,6 +55,7 @@ class Task:
     layerwise: bool = False
     ctx: Any = None  # the daemon's job (who to answer)
     state: TaskState = TaskState.WAITING
+    cancel_requested: bool = False  # a running prefetch stops at its next agreement step
     deps: int = 0
     dependents: list["Task"] = field(default_factory=list)
 
@@ -68,6 +69,14 @@ class Task:
 
 RunBatch = Callable[[list[Task]], None]
 
+# Which worker pool runs an op, and the order in which a free worker of that pool
+# looks at the ready heaps: loads (on a request's critical path) before evicts;
+# prefetches (a request waits for them) before backups.
+LANES: dict[str, tuple[Op, ...]] = {
+    "transfer": (Op.LOAD, Op.EVICT),
+    "storage": (Op.PREFETCH, Op.BACKUP, Op.EXISTS),
+}
+
 
 class Scheduler:
     """Owns the hazard table and the ready heaps; ``run_batch`` executes work.
@@ -78,22 +87,29 @@ class Scheduler:
     """
 
     def __init__(self, num_device_blocks: int, num_host_blocks: int, run_batch: RunBatch,
-                 workers: int = 2, merge: bool = True, max_merge_blocks: int = 4096):
+                 workers: int = 2, merge: bool = True, max_merge_blocks: int = 4096,
+                 storage_workers: int = 0):
+        """``workers`` threads run evicts and loads; ``storage_workers`` threads run
+        backups, prefetches and exists (which take part in hazard ordering on host
+        blocks like any task, but must not hold up copies while storage is slow)."""
         if workers < 1:
-            raise ValueError("a scheduler needs at least one worker")
+            raise ValueError("a scheduler needs at least one transfer worker")
         self._run_batch = run_batch
         self.merge = merge
         self.max_merge_blocks = max_merge_blocks
         self._dev_last = np.full(num_device_blocks, -1, dtype=np.int64)
         self._host_last = np.full(num_host_blocks, -1, dtype=np.int64)
         self._live: dict[int, Task] = {}  # seq -> task not yet DONE/CANCELLED
-        self._ready: dict[Op, list[tuple[tuple[int, int], Task]]] = {Op.LOAD: [], Op.EVICT: []}
+        self._ready: dict[Op, list[tuple[tuple[int, int], Task]]] = {
+            op: [] for ops in LANES.values() for op in ops}
         self._seq = 0
         self._cv = threading.Condition()
         self._stopping = False
         self.merged_batches = 0
-        self._threads = [threading.Thread(target=self._worker, name=f"transfer-{i}", daemon=True)
-                         for i in range(workers)]
+        self._threads = [
+            threading.Thread(target=self._worker, args=(lane,), name=f"{lane}-{i}", daemon=True)
+            for lane, count in (("transfer", workers), ("storage", storage_workers))
+            for i in range(count)]
         for t in self._threads:
             t.start()
 
@@ -119,7 +135,7 @@ class Scheduler:
             self._host_last[host_ids] = task.seq
             self._live[task.seq] = task
             if task.deps == 0:
-                if claim_if_alone and not any(self._ready.values()):
+                if claim_if_alone and not any(self._ready[op] for op in LANES["transfer"]):
                     task.state = TaskState.RUNNING
                 else:
                     self._make_ready(task)
@@ -175,7 +191,7 @@ class Scheduler:
     def _make_ready(self, task: Task) -> None:
         task.state = TaskState.READY
         heapq.heappush(self._ready[task.op], (task.sort_key(), task))
-        self._cv.notify()
+        self._cv.notify_all()  # workers of both lanes wait on this condition
 
     def _release(self, task: Task) -> None:
         """``task`` is finished or cancelled: forget it and wake its dependents."""
@@ -194,12 +210,16 @@ class Scheduler:
                 return task
         return None
 
-    def _take(self) -> list[Task]:
-        first = self._pop_ready(Op.LOAD) or self._pop_ready(Op.EVICT)
+    def _take(self, lane: str) -> list[Task]:
+        first = None
+        for op in LANES[lane]:
+            first = self._pop_ready(op)
+            if first is not None:
+                break
         if first is None:
             return []
         batch = [first]
-        if self.merge and not first.layerwise:
+        if lane == "transfer" and self.merge and not first.layerwise:
             heap = self._ready[first.op]
             blocks = first.num_blocks
             while heap:
@@ -219,15 +239,15 @@ class Scheduler:
         return batch
 
     # ------------------------------------------------------------------ workers
-    def _worker(self) -> None:
+    def _worker(self, lane: str) -> None:
         while True:
             with self._cv:
-                batch = self._take()
+                batch = self._take(lane)
                 while not batch:
                     if self._stopping:
                         return
                     self._cv.wait()
-                    batch = self._take()
+                    batch = self._take(lane)
             self._run_batch(batch)
             self.finish(batch)
 

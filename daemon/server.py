@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import msgpack
 import numpy as np
@@ -43,7 +43,7 @@ import zmq
 from kvswap.client.auth import AuthFailed, ReplayGuard, load_secret, sign, verify
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, NotReady
 from kvswap.client.layer_progress import LayerProgress
-from kvswap.client.layout import TensorDesc, demo_layout, validate_layout
+from kvswap.client.layout import TensorDesc, demo_layout, layout_hash, validate_layout
 from kvswap.client.naming import Names
 from kvswap.client.protocol import (
     OPS,
@@ -52,15 +52,19 @@ from kvswap.client.protocol import (
     Request,
     RequestError,
     decode_batch,
+    decode_id_frame,
     decode_id_pair,
+    decode_keys,
     decode_request,
     decode_transfer,
     encode_reply,
     packb,
+    validate_storage,
     validate_transfer,
 )
 from kvswap.client.shm_region import ShmRegion
 from kvswap.client.signals import (
+    HIST_OPS,
     H,
     Barrier,
     KvCacheStatus,
@@ -71,14 +75,25 @@ from kvswap.client.signals import (
     pid_alive,
     poll_until,
 )
+from kvswap.daemon.agreement import Agreement
 from kvswap.daemon.backend import Backend, make_backend
-from kvswap.daemon.scheduler import Scheduler, Task, TaskState, concat_ids
+from kvswap.daemon.scheduler import LANES, Scheduler, Task, TaskState, concat_ids
 from kvswap.daemon.state import StateMachine
 from kvswap.daemon.swap_space import HostSwapSpace
 
 log = logging.getLogger("kvswap.daemon")
 
 _STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+STORAGE_OPS = frozenset(LANES["storage"])
+_HIST_INDEX = {Op(name): i for i, name in enumerate(HIST_OPS)}
+
+
+def _leading(flags: list[bool]) -> int:
+    """Length of the prefix of True values."""
+    for i, f in enumerate(flags):
+        if not f:
+            return i
+    return len(flags)
 _LIVE_STATES = frozenset({RankState.STARTING, RankState.ATTACHING, RankState.READY,
                           RankState.PAUSED, RankState.CLEARING, RankState.CLEARED,
                           RankState.STOPPING})
@@ -106,6 +121,9 @@ class DaemonConfig:
     listen_tcp: str | None = None  # optional tcp://host:port listener (signed traffic only)
     secret_file: str | None = None  # shared secret for the tcp listener
     replay_window_s: float = 60.0
+    storage_url: str | None = None  # storage tier (file:///dir, redis://...); None = none
+    model_id: str = "default"  # part of every stored entry's name (with the layout hash)
+    storage_timeout_s: float = 30.0  # cross-rank agreement of a prefetch
     drain_timeout_s: float = 60.0  # clear: wait this long for accepted tasks to finish
 
 
@@ -128,6 +146,7 @@ class Job:
     header: dict = field(default_factory=dict)
     tensors: list[TensorDesc] = field(default_factory=list)
     rejoin: bool = False  # re-attach after a restart: the other ranks are READY, no barrier
+    keys: np.ndarray | None = None  # storage ops: (n, 32) block keys
 
 
 @dataclass
@@ -174,6 +193,10 @@ class Daemon:
         if cfg.listen_tcp and not cfg.secret_file:
             raise DaemonError("a tcp:// listener needs --secret-file (HMAC-SHA256 shared secret)")
         self._secret = load_secret(cfg.secret_file) if cfg.listen_tcp else b""
+        self._storage: Any = None  # a kvswap.daemon.storage.StorageBackend once registered
+        self._fingerprint = b""
+        self._tensor_spans: list[tuple[int, int, int]] = []  # (tensor, offset in entry, bytes)
+        self._reported_corrupt: set[str] = set()
         self._replays = ReplayGuard(cfg.replay_window_s)
         self._num_device_blocks = 0
         self._num_host_blocks = 0
@@ -183,6 +206,9 @@ class Daemon:
             Op.REGISTER: Handler(run=self._run_register, admit=self._admit_register),
             Op.EVICT: Handler(admit=self._admit_transfer),
             Op.LOAD: Handler(admit=self._admit_transfer),
+            Op.BACKUP: Handler(admit=self._admit_storage),
+            Op.PREFETCH: Handler(admit=self._admit_storage),
+            Op.EXISTS: Handler(admit=self._admit_storage),
             Op.BATCH: Handler(run=self._run_batch),
             Op.CANCEL: Handler(run=self._run_cancel),
             Op.PAUSE: Handler(run=self._run_pause),
@@ -261,6 +287,8 @@ class Daemon:
             sig[f] = 0
         sig[R.HEARTBEAT_NS] = now_ns()
         self.layers = LayerProgress(self.seg, self.rank)
+        self.stats = self.seg.stats(self.rank)
+        self.agreement = Agreement(self.seg, self.rank, self.cfg.stale_after_s)
 
     def _bind(self) -> None:
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -354,6 +382,9 @@ class Daemon:
             region.close()
         self._demo_regions = {}
         self._registration_path().unlink(missing_ok=True)
+        if self._storage is not None:
+            self._storage.close()
+            self._storage = None
         signal.set_wakeup_fd(-1)
         self._sig_r.close()
         self._sig_w.close()
@@ -370,6 +401,7 @@ class Daemon:
         self._hb_thread.join(timeout=5)
         self.ctx.term()
         self.layers.close()
+        self.agreement.close()
         self.seg.close()
 
     # ================================================================ I/O thread
@@ -413,6 +445,7 @@ class Daemon:
     def _reject(self, route: Route | None, req_id: int | None, op: str, exc: KvswapError) -> None:
         log.warning("rejected %s %s: %s", op, req_id, exc)
         self.sig.add(R.FAILED, 1)
+        self.stats.error(exc.code)
         self._reply(route, req_id, exc.code, exc.message)
 
     def _on_request(self, frames: list, sock: zmq.Socket, signed: bool) -> None:
@@ -467,14 +500,21 @@ class Daemon:
     def _deliver(self, c: Completion) -> None:
         """Count a finished job and answer it (I/O thread)."""
         job = c.job
-        if job.op in (Op.EVICT, Op.LOAD):
+        if OPS[job.op].kind is HandlerKind.TRANSFER:
             self.sig.add(R.INFLIGHT, -1)
             if c.code == ErrorCode.OK:
                 self.sig.add(R.COMPLETED, 1)
-                self.sig.add(R.BYTES_EVICTED if job.op is Op.EVICT else R.BYTES_LOADED,
-                             c.nbytes)
+                if job.op in (Op.EVICT, Op.LOAD):
+                    self.sig.add(R.BYTES_EVICTED if job.op is Op.EVICT else R.BYTES_LOADED,
+                                 c.nbytes)
             elif c.code != ErrorCode.CANCELLED:
                 self.sig.add(R.FAILED, 1)
+            if c.code != ErrorCode.OK:
+                self.stats.error(c.code)
+            timed = _HIST_INDEX.get(job.op)
+            if timed is not None:
+                self.stats.record(timed, 0, (c.t_start - job.t_recv) / 1e3)
+                self.stats.record(timed, 1, (c.t_end - c.t_start) / 1e3)
         self._reply(job.route, job.req_id, c.code, c.message,
                     queued_us=(c.t_start - job.t_recv) / 1e3,
                     exec_us=(c.t_end - c.t_start) / 1e3, fields=c.fields)
@@ -553,6 +593,13 @@ class Daemon:
         if self._scheduler is not None:
             task = self._scheduler.cancel(
                 lambda t: t.ctx.route == job.route and t.ctx.req_id == target)
+        if task is None and self._scheduler is not None:
+            running = self._scheduler.find(
+                lambda t: t.ctx.route == job.route and t.ctx.req_id == target
+                and t.op is Op.PREFETCH and t.state is TaskState.RUNNING)
+            if running is not None:
+                running.cancel_requested = True  # honoured at its next agreement step
+                return {"cancelled": True}
         if task is None:
             return {"cancelled": False}
         now = time.perf_counter_ns()
@@ -568,6 +615,8 @@ class Daemon:
 
     def _execute(self, batch: list[Task]) -> list[Completion]:
         """Copy one batch of tasks; never raises (a failure is every task's outcome)."""
+        if batch[0].op in STORAGE_OPS:
+            return [self._execute_storage(t) for t in batch]
         t_start = time.perf_counter_ns()
         op = batch[0].op
         try:
@@ -676,10 +725,23 @@ class Daemon:
         layers = sorted({t.layer for t in tensors})
         self._layer_groups = [[i for i, t in enumerate(tensors) if t.layer == layer]
                               for layer in layers]
+        if self.cfg.storage_url and self._storage is None:
+            from kvswap.daemon.storage import open_backend
+
+            self._storage = open_backend(self.cfg.storage_url)
+            log.info("storage tier %s (model id %r)", self.cfg.storage_url, self.cfg.model_id)
+        if self._storage is not None:
+            from kvswap.client.block_keys import model_fingerprint
+
+            self._fingerprint = model_fingerprint(layout_hash(tensors), self.cfg.model_id)
+        offsets = np.cumsum([0] + [t.bytes_per_block for t in tensors])
+        self._tensor_spans = [(i, int(offsets[i]), t.bytes_per_block)
+                              for i, t in enumerate(tensors)]
         self._scheduler = Scheduler(self._num_device_blocks, self._num_host_blocks,
                                     self._run_batch_on_worker,
                                     workers=self.cfg.workers, merge=self.cfg.merge,
-                                    max_merge_blocks=self.cfg.max_merge_blocks)
+                                    max_merge_blocks=self.cfg.max_merge_blocks,
+                                    storage_workers=1 if self._storage is not None else 0)
         self.sig[R.NUM_DEVICE_BLOCKS] = self._num_device_blocks
         self.sig[R.NUM_HOST_BLOCKS] = self._num_host_blocks
         self.sig[R.SWAP_BYTES_TOTAL] = swap.nbytes
@@ -763,6 +825,102 @@ class Daemon:
         header = {"backend": self.cfg.backend, "tensors": [d.to_wire() for d in descs]}
         self._admit_register(Job(None, 0, Op.REGISTER, time.perf_counter_ns(), header,
                                  rejoin=rejoin), None)
+
+    # ================================================================ storage tier
+    def _admit_storage(self, job: Job, req: Request | None) -> None:
+        assert req is not None
+        self._check_serving()
+        self._check_epoch(req.header)
+        if self._storage is None:
+            raise KvswapError(f"rank {self.rank} has no storage tier (kvswapd --storage URL)",
+                              ErrorCode.STORAGE_ERROR)
+        n = req.header["n"]
+        if req.op is Op.EXISTS:
+            host = np.empty(0, dtype=np.int64)
+            job.keys = decode_keys(req.frames[0], n)
+        else:
+            if "ids" not in req.header or not isinstance(req.header["ids"], str):
+                raise InvalidTask(f"{req.op.value}: missing field 'ids'", ErrorCode.BAD_FIELD)
+            host = decode_id_frame(req.frames[0], req.header["ids"], "host ids")
+            job.keys = decode_keys(req.frames[1], n)
+            validate_storage(req.op, host, n, self._num_host_blocks)
+        assert self._scheduler is not None
+        self.sig.add(R.INFLIGHT, 1)
+        self._scheduler.submit(req.op, np.empty(0, dtype=np.int64), host,
+                               priority=int(req.header.get("priority", 0)), ctx=job)
+
+    def _entry_names(self, keys: np.ndarray) -> list[str]:
+        from kvswap.client.block_keys import entry_name
+
+        return [entry_name(k.tobytes(), self.rank, self._fingerprint) for k in keys]
+
+    def _execute_storage(self, task: Task) -> Completion:
+        """Run one backup / prefetch / exists (the storage worker); never raises."""
+        job = task.ctx
+        assert job.keys is not None and self._storage is not None
+        t_start = time.perf_counter_ns()
+        try:
+            names = self._entry_names(job.keys)
+            if task.op is Op.EXISTS:
+                fields = {"count": _leading(self._storage.contains(names))}
+            elif task.op is Op.BACKUP:
+                stored = self._backup(task.host_ids, names)
+                fields = {"count": stored, "skipped": len(names) - stored}
+            else:
+                fields = {"count": self._prefetch(task, names)}
+        except KvswapError as exc:
+            return Completion(job, exc.code, exc.message, t_start, time.perf_counter_ns())
+        except Exception as exc:  # a backend bug must cost one task, never the daemon
+            log.exception("%s %s failed", task.op.value, job.req_id)
+            return Completion(job, ErrorCode.STORAGE_ERROR, f"{type(exc).__name__}: {exc}",
+                              t_start, time.perf_counter_ns())
+        return Completion(job, ErrorCode.OK, "", t_start, time.perf_counter_ns(), fields=fields)
+
+    def _backup(self, host_ids: np.ndarray, names: list[str]) -> int:
+        from kvswap.daemon.storage import pack_entry
+
+        assert self._storage is not None and self._swap is not None
+        present = self._storage.contains(names)
+        blocks = self._swap.blocks
+        items = [(name, pack_entry(self._fingerprint, [b[h] for b in blocks]))
+                 for name, h, there in zip(names, host_ids.tolist(), present) if not there]
+        return sum(self._storage.put(items)) if items else 0
+
+    def _prefetch(self, task: Task, names: list[str]) -> int:
+        """Load the longest prefix every rank holds intact; return its length.
+
+        Round 0 agrees on how many leading entries every rank holds; each rank then
+        reads, checks and copies that many, stopping at the first missing or
+        corrupt entry (never copied); round 1 agrees on what every rank really
+        loaded.  Blocks past the agreed count hold nothing the engine may use."""
+        from kvswap.daemon.storage import CorruptEntry, unpack_entry
+
+        assert self._storage is not None and self._swap is not None
+        task_id = task.ctx.req_id
+
+        def cancelled() -> bool:
+            return task.cancel_requested or self._stopping
+
+        timeout = self.cfg.storage_timeout_s
+        held = _leading(self._storage.contains(names))
+        agreed = self.agreement.agree(task_id, 0, held, timeout, cancelled)
+        loaded = 0
+        for name, host, raw in zip(names, task.host_ids.tolist(),
+                                   self._storage.get(names[:agreed]) if agreed else []):
+            if raw is None:
+                break
+            try:
+                payload = unpack_entry(raw, self._fingerprint, self._block_bytes)
+            except CorruptEntry as exc:
+                if name not in self._reported_corrupt and len(self._reported_corrupt) < 100_000:
+                    self._reported_corrupt.add(name)
+                    log.warning("storage entry %s is unusable (%s); treated as a miss", name,
+                                exc)
+                break
+            for i, off, nbytes in self._tensor_spans:
+                self._swap.blocks[i][host] = np.frombuffer(payload, np.uint8, nbytes, off)
+            loaded += 1
+        return self.agreement.agree(task_id, 1, loaded, timeout, cancelled)
 
     # ================================================================ pause / clear
     def _run_pause(self, job: Job, req: Request | None) -> dict | None:

@@ -106,11 +106,13 @@ def test_bad_request_rejected_then_daemon_serves(daemon, what, frames, code):
     launcher, peer = daemon
     seg = launcher.seg
     failed_before = int(seg.ranks[0, R.FAILED])
+    by_code_before = seg.snapshot()["ranks"][0]["errors"].get(code.name, 0)
     r = peer.ask(frames)
     assert not r.ok
     assert r.code == code, f"{what}: got {r.code.name}: {r.message}"
     assert r.rank == 0 and r.message
     assert int(seg.ranks[0, R.FAILED]) == failed_before + 1
+    assert seg.snapshot()["ranks"][0]["errors"][code.name] == by_code_before + 1
     _valid_evict(peer)
     assert seg.state_of(0) == RankState.READY
     assert int(seg.ranks[0, R.COMPLETED]) >= 1
@@ -168,6 +170,11 @@ def test_ping_stats_and_timings(daemon):
     st = peer.ask(encode_request(Op.STATS, 3))
     assert st.fields["counters"]["completed"] == 1
     assert st.fields["counters"]["bytes_evicted"] == ev.fields["bytes"]
+    hist = st.fields["counters"]["histograms"]["evict"]
+    assert hist["exec"]["count"] == 1 and sum(hist["exec"]["buckets"]) == 1
+    assert hist["exec"]["sum_us"] == int(ev.exec_us)  # the reply's timing, in the histogram
+    assert hist["queued"]["count"] == 1 and st.fields["counters"]["histograms"]["load"][
+        "exec"]["count"] == 0
 
 
 def test_shutdown_op_stops_daemon_cleanly(daemon):

@@ -212,3 +212,15 @@ def test_rank_views_are_u64_slots(segment):
     r.add(R.BYTES_EVICTED, -1)
     assert r[R.BYTES_EVICTED] == 2**40 - 1
     assert segment.ranks.dtype == np.dtype("<u8")
+
+
+def test_histogram_buckets_are_log2_microseconds(segment):
+    from kvswap.client.signals import HIST_BUCKETS, hist_bucket
+    assert [hist_bucket(x) for x in (0, 0.9, 1, 1.9, 2, 3, 4, 1000)] == [0, 0, 1, 1, 2, 2, 3, 10]
+    assert hist_bucket(1e12) == HIST_BUCKETS - 1  # the last bucket is open-ended
+    st = segment.stats(1)
+    st.record(1, 1, 3.0)
+    st.record(1, 1, 5.0)
+    snap = segment.snapshot()["ranks"][1]["histograms"]["load"]["exec"]
+    assert snap["count"] == 2 and snap["sum_us"] == 8 and snap["buckets"][2:4] == [1, 1]
+    assert segment.snapshot()["ranks"][0]["histograms"]["load"]["exec"]["count"] == 0

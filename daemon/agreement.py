@@ -1,0 +1,118 @@
+"""Cross-rank agreement on a minimum, through the signal segment (no NCCL, no gloo).
+
+A prefetch must load the same number of blocks on every rank, or the engine
+would see a prefix that exists on some ranks only.  Each rank posts its value
+for (task id, round) in its own ring of agreement entries, wakes the other
+ranks (their wake semaphores), and waits until every rank has posted for the
+same (task id, round); the result is the minimum.
+
+Nobody waits forever: a rank that times out, sees a participant FAILED or
+silent, or is cancelled marks its entry ABORTED before raising, and every rank
+waiting on that (task id, round) aborts as soon as it sees the mark.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import posix_ipc
+
+from kvswap.client.errors import BarrierAborted, BarrierTimeout, ErrorCode, KvswapError
+from kvswap.client.signals import (
+    AGREE_SLOTS,
+    A,
+    AgreeState,
+    RankState,
+    SignalSegment,
+    now_ns,
+)
+
+_CHECK_S = 0.02
+
+
+class Agreement:
+    """Writer of this rank's agreement ring and reader of every rank's."""
+
+    def __init__(self, seg: SignalSegment, rank: int, stale_after_s: float = 5.0):
+        self.seg = seg
+        self.rank = rank
+        self.stale_after_s = stale_after_s
+        self._lock = threading.Lock()
+        self._next = 0
+        names = seg.names
+        self._own = posix_ipc.Semaphore(names.wake_sem(rank))
+        self._others = [posix_ipc.Semaphore(names.wake_sem(p))
+                        for p in range(seg.tp_size) if p != rank]
+
+    def close(self) -> None:
+        for sem in (self._own, *self._others):
+            sem.close()
+
+    def _post(self, task_id: int, rnd: int, value: int) -> int:
+        with self._lock:
+            idx = self._next % AGREE_SLOTS
+            self._next += 1
+        e = self.seg.agree[self.rank, idx]
+        e[A.TASK_ID] = 0
+        e[A.ROUND] = rnd
+        e[A.VALUE] = value
+        e[A.STATE] = AgreeState.POSTED
+        e[A.TASK_ID] = task_id
+        for sem in self._others:
+            sem.release()
+        return idx
+
+    def _abort(self, idx: int) -> None:
+        self.seg.agree[self.rank, idx, A.STATE] = AgreeState.ABORTED
+        for sem in self._others:
+            sem.release()
+
+    def _read(self, rank: int, task_id: int, rnd: int) -> tuple[int, AgreeState] | None:
+        table = self.seg.agree[rank]
+        for idx in range(AGREE_SLOTS):
+            if int(table[idx, A.TASK_ID]) == task_id and int(table[idx, A.ROUND]) == rnd:
+                value, state = int(table[idx, A.VALUE]), int(table[idx, A.STATE])
+                if int(table[idx, A.TASK_ID]) == task_id:  # not reclaimed while read
+                    return value, AgreeState(state)
+        return None
+
+    def agree(self, task_id: int, rnd: int, value: int, timeout: float,
+              cancelled: Callable[[], bool] | None = None) -> int:
+        """Post ``value`` and return the minimum over every rank's value."""
+        idx = self._post(task_id, rnd, value)
+        what = f"agreement on task {task_id} round {rnd}"
+        deadline = time.monotonic() + timeout
+        while True:
+            values, missing = [], []
+            for p in range(self.seg.tp_size):
+                got = self._read(p, task_id, rnd)
+                if got is None:
+                    missing.append(p)
+                    continue
+                if got[1] is AgreeState.ABORTED:
+                    self._abort(idx)
+                    raise BarrierAborted(f"{what}: rank {p} gave up")
+                values.append(got[0])
+            if not missing:
+                return min(values)
+            if cancelled is not None and cancelled():
+                self._abort(idx)
+                raise KvswapError(f"{what}: cancelled", ErrorCode.CANCELLED)
+            now = now_ns()
+            for p in missing:
+                age = self.seg.heartbeat_age_s(p, now)
+                if self.seg.state_of(p) == RankState.FAILED or (
+                        age is not None and age > self.stale_after_s):
+                    self._abort(idx)
+                    raise BarrierAborted(f"{what}: rank {p} is FAILED or silent")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._abort(idx)
+                raise BarrierTimeout(f"{what} timed out after {timeout:.1f}s waiting for rank(s) "
+                                     f"{', '.join(map(str, missing))}")
+            try:
+                self._own.acquire(min(remaining, _CHECK_S))
+            except posix_ipc.BusyError:
+                pass

@@ -26,11 +26,17 @@ kvswap_rank_bytes_evicted_total        counter bytes copied device -> host
 kvswap_rank_bytes_loaded_total         counter bytes copied host -> device
 kvswap_rank_swap_pool_bytes            gauge   size of the host swap pool
 kvswap_rank_swap_pinned_bytes          gauge   bytes of the pool pinned so far
+kvswap_rank_task_seconds               histo.  daemon time per task, labels ``op`` and
+                                               ``phase`` (queued: received to started;
+                                               exec: started to done), from the
+                                               segment's log2 microsecond buckets
+kvswap_rank_errors_total               counter failures by ``code`` (ErrorCode name)
 ====================================== ======= ===========================================
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Iterator
 from wsgiref.simple_server import WSGIServer
@@ -40,12 +46,13 @@ from prometheus_client.core import (
     CollectorRegistry,
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     Metric,
 )
 
 from kvswap.client.errors import NamespaceError
 from kvswap.client.monitor import read_status
-from kvswap.client.signals import RankState
+from kvswap.client.signals import HIST_BUCKETS, RankState
 
 _RANK_LABELS = ("namespace", "rank")
 
@@ -63,6 +70,15 @@ _RANK_COUNTERS = (
     ("bytes_evicted", "bytes_evicted", "Bytes copied device -> host."),
     ("bytes_loaded", "bytes_loaded", "Bytes copied host -> device."),
 )
+
+
+def _bucket_bounds() -> list[str]:
+    """Upper bounds ("le", seconds) of the segment's histogram buckets: bucket b < last
+    holds durations below 2^b µs; the last one is open."""
+    return [repr(2 ** b / 1e6) for b in range(HIST_BUCKETS - 1)] + ["+Inf"]
+
+
+_LE = _bucket_bounds()
 
 
 class SignalCollector:
@@ -126,6 +142,26 @@ class SignalCollector:
         yield beat
         for _, family in per_field:
             yield family
+        yield from self._task_metrics(ranks)
+
+    def _task_metrics(self, ranks: list[dict]) -> Iterator[Metric]:
+        times = HistogramMetricFamily(
+            "kvswap_rank_task_seconds",
+            "Daemon time per task by op and phase (queued: received to started; "
+            "exec: started to done).", labels=[*_RANK_LABELS, "op", "phase"])
+        errors = CounterMetricFamily("kvswap_rank_errors", "Failures by error code.",
+                                     labels=[*_RANK_LABELS, "code"])
+        for row in ranks:
+            labels = [self.namespace, str(row["rank"])]
+            for op, phases in row["histograms"].items():
+                for phase, h in phases.items():
+                    cumulative = itertools.accumulate(h["buckets"])
+                    times.add_metric([*labels, op, phase], list(zip(_LE, cumulative)),
+                                     sum_value=h["sum_us"] / 1e6)
+            for name, count in row["errors"].items():
+                errors.add_metric([*labels, name], count)
+        yield times
+        yield errors
 
 
 def registry_for(namespace: str, run_root: str | None = None) -> CollectorRegistry:

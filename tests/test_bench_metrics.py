@@ -182,6 +182,12 @@ def test_metrics_equal_the_work_done(namespaces):
         assert sample[("kvswap_rank_state", (*lab, ("state", "READY")))] == 1
         assert sample[("kvswap_rank_state", (*lab, ("state", "FAILED")))] == 0
         assert 0 <= sample[("kvswap_rank_heartbeat_age_seconds", lab)] < 5
+        for op, tasks in (("evict", 3), ("load", 1)):  # every task timed once per phase
+            for phase in ("queued", "exec"):
+                h = (*lab, ("op", op), ("phase", phase))
+                assert sample[("kvswap_rank_task_seconds_count", tuple(sorted(h)))] == tasks
+                inf = tuple(sorted((*h, ("le", "+Inf"))))
+                assert sample[("kvswap_rank_task_seconds_bucket", inf)] == tasks
 
 
 def test_metrics_without_namespace_serves_up_0():

@@ -332,15 +332,28 @@ def validate_transfer(op: Op, device_ids: np.ndarray, host_ids: np.ndarray,
                 ErrorCode.ID_OUT_OF_RANGE,
             )
     dst = host_ids if op is Op.EVICT else device_ids
-    if dst.shape[0] > 1:
-        s = np.sort(dst)
-        dup = s[1:] == s[:-1]
-        if dup.any():
-            side = "host" if op is Op.EVICT else "device"
-            raise InvalidTask(
-                f"{op.value}: destination {side} block {int(s[1:][dup][0])} named more than once",
-                ErrorCode.DUPLICATE_DESTINATION,
-            )
+    dup = first_duplicate(dst)
+    if dup is not None:
+        side = "host" if op is Op.EVICT else "device"
+        raise InvalidTask(f"{op.value}: destination {side} block {dup} named more than once",
+                          ErrorCode.DUPLICATE_DESTINATION)
+
+
+def first_duplicate(ids: np.ndarray) -> int | None:
+    """Smallest id named more than once, or None.  Linear (a count per id) when the
+    ids are dense enough, a sort otherwise: large tasks pay O(n), not O(n log n)."""
+    n = ids.shape[0]
+    if n < 2:
+        return None
+    hi = int(ids.max())
+    if hi < 16 * n:
+        counts = np.bincount(ids, minlength=hi + 1)
+        if counts.max() < 2:
+            return None
+        return int(np.flatnonzero(counts > 1)[0])
+    s = np.sort(ids)
+    dup = s[1:] == s[:-1]
+    return int(s[1:][dup][0]) if dup.any() else None
 
 
 def _wire_dtype(arrays: Sequence[np.ndarray]) -> str:
@@ -399,12 +412,11 @@ def validate_storage(op: Op, host_ids: np.ndarray | None, n_keys: int,
     if lo < 0 or hi >= num_host_blocks:
         raise InvalidTask(f"{op.value}: host block id {lo if lo < 0 else hi} out of range "
                           f"[0, {num_host_blocks})", ErrorCode.ID_OUT_OF_RANGE)
-    if op is Op.PREFETCH and n_keys > 1:
-        s = np.sort(host_ids)
-        dup = s[1:] == s[:-1]
-        if dup.any():
-            raise InvalidTask(f"prefetch: destination host block {int(s[1:][dup][0])} named "
-                              f"more than once", ErrorCode.DUPLICATE_DESTINATION)
+    if op is Op.PREFETCH:
+        dup = first_duplicate(host_ids)
+        if dup is not None:
+            raise InvalidTask(f"prefetch: destination host block {dup} named more than once",
+                              ErrorCode.DUPLICATE_DESTINATION)
 
 
 def encode_transfer(op: Op, req_id: int, device_ids: np.ndarray, host_ids: np.ndarray,

@@ -98,6 +98,8 @@ class HostBackend:
         return self._copier.copy(plan_copy(host_ids, device_ids), False, tensors)
 
     def detach(self) -> None:
+        if self._copier is not None:
+            self._copier.close()
         self._copier = None
         for r in self._regions:
             r.close()

@@ -126,7 +126,11 @@ class Scheduler:
             task = Task(self._seq, op, device_ids, host_ids, priority, layerwise, ctx)
             self._seq += 1
             prev = np.concatenate((self._dev_last[device_ids], self._host_last[host_ids]))
-            for s in np.unique(prev[prev >= 0]).tolist():
+            # Only unfinished tasks matter; they are the newest, so a cheap compare with
+            # the oldest of them leaves a handful of values to deduplicate.
+            oldest = min(self._live) if self._live else self._seq
+            prev = prev[prev >= oldest]
+            for s in (np.unique(prev).tolist() if prev.size else ()):
                 before = self._live.get(s)
                 if before is not None:
                     before.dependents.append(task)

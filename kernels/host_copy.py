@@ -2,11 +2,12 @@
 
 Each tensor is a block-major, C-contiguous array, so block ``b`` of a tensor is
 the byte range ``[base + b * bpb, base + (b + 1) * bpb)``.  The engine resolves
-every tensor's base addresses once (:class:`BlockCopier`) and moves each run
-with one ``memmove`` (glibc's memcpy, GIL released): per run it costs a fraction
-of a microsecond, where a numpy slice assignment costs a few, which is what
-decides throughput for small (4 KiB) blocks.  It is dtype-agnostic (bf16, fp8,
-scales ...).
+every tensor's base addresses once (:class:`BlockCopier`) and moves a whole
+task, every run of every tensor, in one call into the compiled loop
+``kvswap.kernels._hostcopy.copy_runs`` (memcpy per run, GIL released): a
+per-run Python call would cost as much as copying a 4 KiB block.  Large tasks
+split their tensors over two threads, since the loop runs without the GIL.  It
+is dtype-agnostic (bf16, fp8, scales ...).
 
 Raw-pointer copies trust their indices, so :meth:`BlockCopier.copy` checks the
 plan against both block counts before the first byte moves (the daemon has
@@ -16,15 +17,17 @@ writing outside a mapping).
 
 from __future__ import annotations
 
-import ctypes
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import numpy as np
 
+from kvswap.kernels._hostcopy import copy_runs
 from kvswap.kernels.planner import CopyPlan
 
-_memmove = ctypes.memmove
+# A task at least this large is split over two threads (one half of its tensors
+# each); below it, a thread hand-off costs more than it saves.
+SPLIT_BYTES = 8 << 20
 
 
 def as_block_bytes(arr: np.ndarray) -> np.ndarray:
@@ -34,57 +37,62 @@ def as_block_bytes(arr: np.ndarray) -> np.ndarray:
     return arr.reshape(arr.shape[0], -1).view(np.uint8)
 
 
-@dataclass(frozen=True)
-class _Pair:
-    a: int  # base address of side A (device, for the daemon)
-    b: int  # base address of side B (host)
-    bpb: int  # bytes per block
-    a_blocks: int
-    b_blocks: int
-
-
 class BlockCopier:
     """Copies blocks between the two sides of several (A, B) tensor pairs.
 
-    ``pairs`` are (A, B) arrays viewed as (blocks, bytes_per_block); they are kept
-    referenced, so the memory stays mapped while the copier lives.
+    ``pairs`` are (A, B) block-major arrays; they are kept referenced, so the
+    memory stays mapped while the copier lives.  Thread-safe for plans that do not
+    overlap.
     """
 
     def __init__(self, pairs: Sequence[tuple[np.ndarray, np.ndarray]]):
         self._arrays = [(as_block_bytes(a), as_block_bytes(b)) for a, b in pairs]
-        self._pairs = []
         for a, b in self._arrays:
             if a.shape[1] != b.shape[1]:
                 raise ValueError(f"block sizes differ: {a.shape[1]} and {b.shape[1]} bytes")
-            self._pairs.append(_Pair(a.ctypes.data, b.ctypes.data, a.shape[1], a.shape[0],
-                                     b.shape[0]))
-        self.bytes_per_block = sum(p.bpb for p in self._pairs)
+        self._a = np.array([a.ctypes.data for a, _ in self._arrays], dtype=np.uint64)
+        self._b = np.array([b.ctypes.data for _, b in self._arrays], dtype=np.uint64)
+        self._bpb = np.array([a.shape[1] for a, _ in self._arrays], dtype=np.uint64)
+        self._a_blocks = min((a.shape[0] for a, _ in self._arrays), default=0)
+        self._b_blocks = min((b.shape[0] for _, b in self._arrays), default=0)
+        self.bytes_per_block = int(self._bpb.sum())
+        self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvswap-copy")
+
+    def close(self) -> None:
+        self._helper.shutdown(wait=True)
+        self._arrays = []
 
     def copy(self, plan: CopyPlan, a_to_b: bool, tensors: Sequence[int] | None = None) -> int:
         """Run ``plan`` (sources on the side it copies from) for every pair, or only
         the pairs at ``tensors``; return bytes copied."""
-        pairs = self._pairs if tensors is None else [self._pairs[i] for i in tensors]
-        if plan.num_runs == 0 or not pairs:
+        if plan.num_runs == 0:
             return 0
-        src_end = int((plan.src_start + plan.counts).max())
-        dst_end = int((plan.dst_start + plan.counts).max())
-        if min(int(plan.src_start.min()), int(plan.dst_start.min())) < 0:
-            raise IndexError("negative block index in copy plan")
-        runs = list(zip(plan.src_start.tolist(), plan.dst_start.tolist(), plan.counts.tolist()))
-        total = 0
-        for p in pairs:
-            src, dst = (p.a, p.b) if a_to_b else (p.b, p.a)
-            src_n, dst_n = (p.a_blocks, p.b_blocks) if a_to_b else (p.b_blocks, p.a_blocks)
-            if src_end > src_n or dst_end > dst_n:
-                raise IndexError(f"copy plan reaches block {max(src_end, dst_end) - 1} beyond "
-                                 f"{src_n} source / {dst_n} destination blocks")
-            bpb = p.bpb
-            for s, d, c in runs:
-                _memmove(dst + d * bpb, src + s * bpb, c * bpb)
-            total += bpb
-        return total * int(plan.counts.sum())
+        src_n, dst_n = (self._a_blocks, self._b_blocks) if a_to_b else (
+            self._b_blocks, self._a_blocks)
+        if (int(plan.src_start.min()) < 0 or int(plan.dst_start.min()) < 0
+                or int((plan.src_start + plan.counts).max()) > src_n
+                or int((plan.dst_start + plan.counts).max()) > dst_n):
+            raise IndexError(f"copy plan outside {src_n} source / {dst_n} destination blocks")
+        idx = np.arange(len(self._arrays)) if tensors is None else np.asarray(tensors)
+        src, dst = (self._a, self._b) if a_to_b else (self._b, self._a)
+        runs = (np.ascontiguousarray(plan.src_start, dtype=np.int64),
+                np.ascontiguousarray(plan.dst_start, dtype=np.int64),
+                np.ascontiguousarray(plan.counts, dtype=np.int64))
+        if len(idx) > 1 and int(self._bpb[idx].sum()) * plan.num_blocks >= SPLIT_BYTES:
+            half = len(idx) // 2
+            other = self._helper.submit(self._copy, src, dst, idx[half:], runs)
+            return self._copy(src, dst, idx[:half], runs) + other.result()
+        return self._copy(src, dst, idx, runs)
+
+    def _copy(self, src: np.ndarray, dst: np.ndarray, idx: np.ndarray,
+              runs: tuple[np.ndarray, np.ndarray, np.ndarray]) -> int:
+        return copy_runs(src[idx], dst[idx], self._bpb[idx], *runs)
 
 
 def copy_blocks(plan: CopyPlan, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> int:
     """One-off copy of ``plan`` from each pair's first array to its second."""
-    return BlockCopier(pairs).copy(plan, a_to_b=True)
+    copier = BlockCopier(pairs)
+    try:
+        return copier.copy(plan, a_to_b=True)
+    finally:
+        copier.close()

@@ -11,10 +11,11 @@ kvswap_bootstrap() {
         python3 -m venv "$venv" || { echo "kvswap: python3 -m venv failed (install python3-venv)" >&2; return 1; }
     fi
     PY="$venv/bin/python"
-    # Reinstall only when pyproject.toml changed or the extras differ from last time.
+    # Reinstall only when the build inputs (metadata, the compiled copy loop) changed
+    # or the extras differ from last time.
     local stamp="$venv/.kvswap-installed"
     local want
-    want="$(sha256sum "$root/pyproject.toml" | cut -c1-16) ${extras}"
+    want="$(cat "$root/pyproject.toml" "$root/setup.py" "$root"/kernels/*.c | sha256sum | cut -c1-16) ${extras}"
     if [ ! -f "$stamp" ] || ! grep -qxF "$want" "$stamp"; then
         local spec="$root"
         [ -n "$extras" ] && spec="$root[$extras]"

@@ -87,3 +87,38 @@ def test_plan_rejects_mismatched_shapes():
 def test_as_block_bytes_rejects_non_contiguous():
     with pytest.raises(ValueError):
         as_block_bytes(np.zeros((4, 6))[:, ::2])
+
+
+def test_copier_refuses_a_plan_outside_either_side():
+    from kvswap.kernels.host_copy import BlockCopier
+    a = np.zeros((4, 8), np.uint8)
+    b = np.zeros((6, 8), np.uint8)
+    copier = BlockCopier([(a, b)])
+    try:
+        for src, dst in (([4], [0]), ([0], [6]), ([3, 4], [0, 1]), ([-1], [0])):
+            with pytest.raises(IndexError):
+                copier.copy(plan_copy(np.array(src), np.array(dst)), a_to_b=True)
+        copier.copy(plan_copy(np.array([5]), np.array([3])), a_to_b=False)  # B -> A in range
+        assert not a.any() and not b.any()  # nothing was written by the refused plans
+    finally:
+        copier.close()
+
+
+def test_large_tasks_split_over_two_threads_copy_the_same_bytes():
+    from kvswap.kernels.host_copy import SPLIT_BYTES, BlockCopier
+    bpb = 64 << 10
+    n = SPLIT_BYTES // bpb  # with 4 tensors the task is 4x the split threshold
+    rng = np.random.default_rng(3)
+    pairs = [(rng.integers(0, 255, (n, bpb), dtype=np.uint8), np.zeros((n, bpb), np.uint8))
+             for _ in range(4)]
+    src = rng.permutation(n)
+    dst = rng.permutation(n)
+    copier = BlockCopier(pairs)
+    try:
+        moved = copier.copy(plan_copy(src, dst), a_to_b=True)
+        layer = copier.copy(plan_copy(src[:3], dst[:3]), a_to_b=True, tensors=[2])
+    finally:
+        copier.close()
+    assert moved == 4 * n * bpb and layer == 3 * bpb
+    for a, b in pairs:
+        assert np.array_equal(b[dst], a[src])

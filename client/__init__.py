@@ -3,6 +3,7 @@
 Never imports the daemon or cupy at import time.
 """
 
+from kvswap.client.block_keys import block_hashes
 from kvswap.client.cache_worker import CacheTensor, CacheWorker
 from kvswap.client.errors import (
     BarrierAborted,
@@ -16,6 +17,8 @@ from kvswap.client.errors import (
     RankFailure,
     RankRestarted,
     RankTimeout,
+    StorageError,
+    StorageTimeout,
     TransferFailed,
 )
 from kvswap.client.protocol import PROTOCOL_VERSION
@@ -26,5 +29,6 @@ __all__ = [
     "BarrierAborted", "BarrierTimeout", "CacheTensor", "CacheWorker", "ErrorCode",
     "InvalidTask", "KvswapError", "NamespaceError", "NotReady", "PROTOCOL_VERSION",
     "ProtocolError", "RankFailure", "RankRestarted", "RankState", "RankTimeout", "TaskResult",
-    "TransferClient", "TransferFailed", "TransferFuture", "TransferSpec",
+    "StorageError", "StorageTimeout", "TransferClient", "TransferFailed", "TransferFuture",
+    "TransferSpec", "block_hashes",
 ]

@@ -30,7 +30,7 @@ and the TP rank, so two models or two TP layouts never read each other's data.
 from __future__ import annotations
 
 import hashlib
-import operator
+import numbers
 import struct
 from typing import Sequence
 
@@ -61,9 +61,9 @@ def _encode_extra(block: int, item: object) -> bytes:
     # bool is an int subclass: refuse it rather than hash True like 1.
     if isinstance(item, bool):
         raise ValueError(f"extra_keys[{block}]: bool is not an allowed extra key (use int)")
-    if hasattr(type(item), "__index__"):  # int, numpy integers
-        item = operator.index(item)
-        data = item.to_bytes((item + (item < 0)).bit_length() // 8 + 1, "little", signed=True)
+    if isinstance(item, numbers.Integral):  # int, numpy integers
+        value = int(item)
+        data = value.to_bytes((value + (value < 0)).bit_length() // 8 + 1, "little", signed=True)
         tag = b"i"
     elif isinstance(item, str):
         data = item.encode("utf-8")

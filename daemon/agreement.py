@@ -50,7 +50,7 @@ class Agreement:
         for sem in (self._own, *self._others):
             sem.close()
 
-    def _post(self, task_id: int, rnd: int, value: int) -> int:
+    def _post(self, task_id: int, rnd: int, value: int, state: AgreeState) -> int:
         with self._lock:
             idx = self._next % AGREE_SLOTS
             self._next += 1
@@ -58,14 +58,18 @@ class Agreement:
         e[A.TASK_ID] = 0
         e[A.ROUND] = rnd
         e[A.VALUE] = value
-        e[A.STATE] = AgreeState.POSTED
+        e[A.STATE] = state
         e[A.TASK_ID] = task_id
         for sem in self._others:
             sem.release()
         return idx
 
-    def _abort(self, idx: int) -> None:
+    def _give_up(self, idx: int, task_id: int, rnd: int, last_round: int) -> None:
+        """Mark this round ABORTED and post ABORTED for every later round, so no peer
+        waits for a round this rank will never enter."""
         self.seg.agree[self.rank, idx, A.STATE] = AgreeState.ABORTED
+        for later in range(rnd + 1, last_round + 1):
+            self._post(task_id, later, 0, AgreeState.ABORTED)
         for sem in self._others:
             sem.release()
 
@@ -79,12 +83,26 @@ class Agreement:
         return None
 
     def agree(self, task_id: int, rnd: int, value: int, timeout: float,
-              cancelled: Callable[[], bool] | None = None) -> int:
-        """Post ``value`` and return the minimum over every rank's value."""
-        idx = self._post(task_id, rnd, value)
+              cancelled: Callable[[], bool] | None = None, last_round: int = 0) -> int:
+        """Post ``value`` for round ``rnd`` of ``last_round`` and return the minimum over
+        every rank's value.
+
+        Every rank ends a task the same way: a rank that gives up (timeout, failed
+        or silent peer, a peer's abort, or a cancel) aborts this and all later rounds
+        for everyone.  A cancel is honoured before posting any round and while
+        waiting in any round but the last: once a rank has posted its last-round
+        value, a peer may already have completed, so the task completes here too."""
         what = f"agreement on task {task_id} round {rnd}"
+        if cancelled is not None and cancelled():
+            idx = self._post(task_id, rnd, value, AgreeState.ABORTED)
+            self._give_up(idx, task_id, rnd, last_round)
+            raise KvswapError(f"{what}: cancelled", ErrorCode.CANCELLED)
+        idx = self._post(task_id, rnd, value, AgreeState.POSTED)
         deadline = time.monotonic() + timeout
         while True:
+            if rnd < last_round and cancelled is not None and cancelled():
+                self._give_up(idx, task_id, rnd, last_round)
+                raise KvswapError(f"{what}: cancelled", ErrorCode.CANCELLED)
             values, missing = [], []
             for p in range(self.seg.tp_size):
                 got = self._read(p, task_id, rnd)
@@ -92,24 +110,21 @@ class Agreement:
                     missing.append(p)
                     continue
                 if got[1] is AgreeState.ABORTED:
-                    self._abort(idx)
+                    self._give_up(idx, task_id, rnd, last_round)
                     raise BarrierAborted(f"{what}: rank {p} gave up")
                 values.append(got[0])
             if not missing:
                 return min(values)
-            if cancelled is not None and cancelled():
-                self._abort(idx)
-                raise KvswapError(f"{what}: cancelled", ErrorCode.CANCELLED)
             now = now_ns()
             for p in missing:
                 age = self.seg.heartbeat_age_s(p, now)
                 if self.seg.state_of(p) == RankState.FAILED or (
                         age is not None and age > self.stale_after_s):
-                    self._abort(idx)
+                    self._give_up(idx, task_id, rnd, last_round)
                     raise BarrierAborted(f"{what}: rank {p} is FAILED or silent")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self._abort(idx)
+                self._give_up(idx, task_id, rnd, last_round)
                 raise BarrierTimeout(f"{what} timed out after {timeout:.1f}s waiting for rank(s) "
                                      f"{', '.join(map(str, missing))}")
             try:

@@ -733,7 +733,10 @@ class Daemon:
         if self._storage is not None:
             from kvswap.client.block_keys import model_fingerprint
 
-            self._fingerprint = model_fingerprint(layout_hash(tensors), self.cfg.model_id)
+            # The TP size is part of the identity: with replicated KV heads two TP sizes
+            # can give the same per-rank layout while rank r holds other heads.
+            self._fingerprint = model_fingerprint(layout_hash(tensors),
+                                                  f"{self.cfg.model_id}|tp={self.cfg.tp_size}")
         offsets = np.cumsum([0] + [t.bytes_per_block for t in tensors])
         self._tensor_spans = [(i, int(offsets[i]), t.bytes_per_block)
                               for i, t in enumerate(tensors)]
@@ -890,9 +893,9 @@ class Daemon:
         """Load the longest prefix every rank holds intact; return its length.
 
         Round 0 agrees on how many leading entries every rank holds; each rank then
-        reads, checks and copies that many, stopping at the first missing or
-        corrupt entry (never copied); round 1 agrees on what every rank really
-        loaded.  Blocks past the agreed count hold nothing the engine may use."""
+        reads and verifies that many, stopping at the first missing or corrupt
+        entry (never used); round 1 agrees on how many every rank verified, and
+        only then does each rank copy exactly that many into its host blocks."""
         from kvswap.daemon.storage import CorruptEntry, unpack_entry
 
         assert self._storage is not None and self._swap is not None
@@ -903,24 +906,27 @@ class Daemon:
 
         timeout = self.cfg.storage_timeout_s
         held = _leading(self._storage.contains(names))
-        agreed = self.agreement.agree(task_id, 0, held, timeout, cancelled)
-        loaded = 0
-        for name, host, raw in zip(names, task.host_ids.tolist(),
-                                   self._storage.get(names[:agreed]) if agreed else []):
+        agreed = self.agreement.agree(task_id, 0, held, timeout, cancelled, last_round=1)
+        verified = []
+        for name, raw in zip(names, self._storage.get(names[:agreed]) if agreed else []):
             if raw is None:
                 break
             try:
-                payload = unpack_entry(raw, self._fingerprint, self._block_bytes)
+                verified.append(unpack_entry(raw, self._fingerprint, self._block_bytes))
             except CorruptEntry as exc:
                 if name not in self._reported_corrupt and len(self._reported_corrupt) < 100_000:
                     self._reported_corrupt.add(name)
-                    log.warning("storage entry %s is unusable (%s); treated as a miss", name,
-                                exc)
+                    log.warning("storage entry %s is unusable (%s); treated as a miss and "
+                                "deleted", name, exc)
+                # stores never overwrite (a backup skips existing names): remove it so
+                # the block can be backed up again
+                self._storage.delete([name])
                 break
+        final = self.agreement.agree(task_id, 1, len(verified), timeout, cancelled, last_round=1)
+        for host, payload in zip(task.host_ids.tolist()[:final], verified):
             for i, off, nbytes in self._tensor_spans:
                 self._swap.blocks[i][host] = np.frombuffer(payload, np.uint8, nbytes, off)
-            loaded += 1
-        return self.agreement.agree(task_id, 1, loaded, timeout, cancelled)
+        return final
 
     # ================================================================ pause / clear
     def _run_pause(self, job: Job, req: Request | None) -> dict | None:

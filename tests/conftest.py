@@ -1,4 +1,5 @@
-"""Shared fixtures: short run roots, unique namespaces, launched namespaces, leak checks.
+"""Shared fixtures: short run roots, unique namespaces, launched namespaces, leak checks,
+a real Redis server for the storage tier.
 
 Every namespace a test creates is checked after the test: nothing of it may be
 left in /dev/shm, and no daemon process may survive.  Whatever is found is
@@ -10,7 +11,11 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import signal
+import socket
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -105,3 +110,114 @@ def wait_for_namespace_state(names: Names, tp: int, state, timeout: float = 30.0
             seg.close()
 
     assert poll_until(check, time.monotonic() + timeout), f"ranks never reached {state.name}"
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port and a unix socket, in its own temp dir,
+    without persistence.  ``start_another`` runs a second, independent one (for a test
+    that kills its server without disturbing the shared one)."""
+
+    def __init__(self, binary: str):
+        self.binary = binary
+        self.dir = tempfile.mkdtemp(prefix="kvs-redis-", dir="/tmp")
+        self.socket = os.path.join(self.dir, "redis.sock")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc: subprocess.Popen | None = None
+        self._another: RedisServer | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _log(self) -> str:
+        return Path(self.dir, "redis.log").read_text(errors="replace")
+
+    def start(self) -> None:
+        with open(os.path.join(self.dir, "redis.log"), "ab") as log:
+            self.proc = subprocess.Popen(
+                [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", self.dir, "--unixsocket", self.socket,
+                 "--unixsocketperm", "700"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"redis-server exited: {self._log()}"
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise AssertionError(f"redis-server did not answer PING within 15 s: {self._log()}")
+
+    def stop(self) -> None:
+        if self.running:
+            assert self.proc is not None
+            os.kill(self.proc.pid, signal.SIGCONT)  # in case a test left it frozen
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    def freeze(self, frozen: bool) -> None:
+        """SIGSTOP / SIGCONT: a server that accepts connections but answers nothing."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+
+    def start_another(self) -> str:
+        """Start a second server (replacing a previous one); return its URL."""
+        self.stop_another()
+        self._another = RedisServer(self.binary)
+        self._another.start()
+        return self._another.url
+
+    def stop_another(self) -> None:
+        if self._another is not None:
+            self._another.close()
+            self._another = None
+
+    def close(self) -> None:
+        self.stop_another()
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real redis-server for the session; skips when the binary is not installed."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not on PATH (.ci/run installs it: apt-get install "
+                    "redis-server)")
+    pytest.importorskip("redis", reason="the redis package is missing (pip install "
+                        "'kvswap[test]')")
+    server = RedisServer(binary)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """The URL of the session's Redis, running (restarted if a test stopped it) and empty."""
+    if not redis_server.running:
+        redis_server.start()
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushdb()
+    client.close()
+    return redis_server.url

@@ -1,0 +1,289 @@
+"""The storage tier behind host swap space: entry format and backend interface.
+
+An **entry** is one rank's copy of one block: a fixed 48-byte header followed by
+the payload, which is that block of every tensor of the rank concatenated in
+registration order.  Entries are stored under names from
+:func:`kvswap.client.block_keys.entry_name` by a :class:`StorageBackend`, which
+treats them as opaque bytes; everything that decides whether stored bytes may be
+used (magic, version, model fingerprint, length, checksums) lives here, in
+:func:`unpack_entry`, so a new backend cannot get it wrong.
+
+Header (little-endian)::
+
+    off  size  field
+      0     8  magic            b"KVSWAPEN"
+      8     4  version          u32, 1
+     12     4  flags            u32, 0 (a v1 reader rejects any other value)
+     16    16  fingerprint      model_fingerprint() of the writer
+     32     8  payload_len      u64
+     40     4  payload_crc32    zlib.crc32 of the payload
+     44     4  header_crc32     zlib.crc32 of bytes 0..43
+
+The checksums guard against accidental damage (torn writes after a power loss,
+bit rot, a truncated transfer), not against an adversary who can write to the
+store.  CRC-32 was chosen over BLAKE2b-128 because it is about 4x faster in
+CPython (zlib releases the GIL, chains over the parts without joining them) and
+a block is checksummed on every backup and every prefetch; see docs/storage.md
+for the measurement.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import urllib.parse
+import zlib
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence, TypeVar, Union
+
+from kvswap.client.block_keys import FINGERPRINT_BYTES
+from kvswap.client.errors import StorageError, StorageTimeout
+
+if TYPE_CHECKING:
+    import numpy as np
+
+__all__ = [
+    "Buffer", "CorruptEntry", "ENTRY_MAGIC", "ENTRY_VERSION", "HEADER_BYTES", "StorageBackend",
+    "Stored", "StorageError", "StorageTimeout", "as_byte_views", "check_names", "open_backend",
+    "pack_entry", "unpack_entry", "url_options",
+]
+
+Buffer = Union[bytes, bytearray, memoryview, "np.ndarray"]
+"""Anything C-contiguous with the buffer protocol (a host block is a numpy uint8 row)."""
+
+Stored = Union[bytes, bytearray, memoryview]
+"""What ``get`` returns for a hit: the entry's bytes, in whatever buffer the backend read."""
+
+ENTRY_MAGIC = b"KVSWAPEN"
+ENTRY_VERSION = 1
+_HEADER = struct.Struct("<8sII16sQI")  # everything up to the header checksum
+_HEADER_CRC = struct.Struct("<I")
+HEADER_BYTES = _HEADER.size + _HEADER_CRC.size  # 48
+
+
+class CorruptEntry(Exception):
+    """Stored bytes that must not be used; ``reason`` says why.
+
+    Not a :class:`StorageError`: the backend worked, this one entry is bad.  The
+    caller treats it as a miss and may delete the entry.
+    """
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def as_byte_views(parts: Sequence[Buffer]) -> list[memoryview]:
+    """Flat unsigned-byte views of ``parts`` (no copy); ValueError for a non-contiguous one."""
+    views = []
+    for i, part in enumerate(parts):
+        # ndarray exports the buffer protocol; its type stubs do not say so.
+        view = memoryview(part)  # type: ignore[arg-type]
+        if not view.c_contiguous:
+            raise ValueError(f"entry part {i} is not C-contiguous")
+        views.append(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
+    return views
+
+
+def _check_fingerprint(fingerprint: bytes) -> None:
+    if not isinstance(fingerprint, bytes) or len(fingerprint) != FINGERPRINT_BYTES:
+        raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes "
+                         f"(model_fingerprint()), got {fingerprint!r}")
+
+
+def pack_entry(fingerprint: bytes, parts: Sequence[Buffer]) -> list[bytes | memoryview]:
+    """The entry for one block: ``[header, *parts]`` with the parts as zero-copy views.
+
+    The parts are read twice (checksum now, write later by the backend): the
+    caller must not change them until the backend's ``put`` returns.  If it does,
+    the stored checksum no longer matches and :func:`unpack_entry` rejects the
+    entry, so a race costs a miss, never wrong data.
+    """
+    _check_fingerprint(fingerprint)
+    views = as_byte_views(parts)
+    crc = 0
+    length = 0
+    for view in views:
+        crc = zlib.crc32(view, crc)
+        length += view.nbytes
+    head = _HEADER.pack(ENTRY_MAGIC, ENTRY_VERSION, 0, fingerprint, length, crc)
+    return [head + _HEADER_CRC.pack(zlib.crc32(head)), *views]
+
+
+def unpack_entry(raw: Buffer, fingerprint: bytes, expected_payload_len: int) -> memoryview:
+    """The payload of ``raw`` (a view, no copy) after checking everything; else CorruptEntry.
+
+    ``expected_payload_len`` is the sum of the rank's bytes per block: a stored
+    entry of another length belongs to another layout, whatever its header says.
+    """
+    _check_fingerprint(fingerprint)
+    view = as_byte_views([raw])[0]
+    if len(view) < HEADER_BYTES:
+        raise CorruptEntry(f"truncated: {len(view)} bytes, the header alone needs {HEADER_BYTES}")
+    magic, version, flags, stored_fp, length, payload_crc = _HEADER.unpack_from(view)
+    if magic != ENTRY_MAGIC:
+        raise CorruptEntry(f"bad magic {magic!r}, expected {ENTRY_MAGIC!r}")
+    if version != ENTRY_VERSION:
+        raise CorruptEntry(f"format version {version}, this reader knows {ENTRY_VERSION}")
+    (header_crc,) = _HEADER_CRC.unpack_from(view, _HEADER.size)
+    if zlib.crc32(view[:_HEADER.size]) != header_crc:
+        raise CorruptEntry("header checksum mismatch")
+    if flags != 0:
+        raise CorruptEntry(f"unsupported flags {flags:#x}")
+    if stored_fp != fingerprint:
+        raise CorruptEntry(f"foreign fingerprint {stored_fp.hex()}, expected {fingerprint.hex()}")
+    if length != expected_payload_len:
+        raise CorruptEntry(f"payload length {length} in the header, expected "
+                           f"{expected_payload_len}")
+    if len(view) != HEADER_BYTES + length:
+        what = "truncated" if len(view) < HEADER_BYTES + length else "trailing bytes"
+        raise CorruptEntry(f"{what}: {len(view) - HEADER_BYTES} payload bytes stored, "
+                           f"the header says {length}")
+    payload = view[HEADER_BYTES:]
+    if zlib.crc32(payload) != payload_crc:
+        raise CorruptEntry("payload checksum mismatch")
+    return payload
+
+
+# ------------------------------------------------------------------ backends
+
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
+
+
+def check_names(names: Sequence[str]) -> None:
+    """Reject names a backend could misuse (paths, empty, over 200 characters, leading dot).
+
+    Entry names from :func:`~kvswap.client.block_keys.entry_name` always pass; the
+    leading dot is reserved for a backend's own files (temp files).
+    """
+    for name in names:
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ValueError(f"bad entry name {name!r}: want 1-200 characters of "
+                             "[A-Za-z0-9._-], not starting with '.'")
+
+
+class StorageBackend(Protocol):
+    """A store of named, immutable entries (opaque bytes).  Batch-shaped so that a
+    networked backend can pipeline a whole batch in one round trip.
+
+    Every method raises :class:`StorageError` when the store fails or is
+    unreachable (:class:`StorageTimeout` when it did not answer in time) and
+    ``ValueError`` for bad names; a failed call may have done part of a batch.
+    Entries are never modified in place: a name either holds a complete entry as
+    once put, or nothing.
+    """
+
+    def contains(self, names: Sequence[str]) -> list[bool]:
+        """Whether each name holds an entry (does not count as a use for eviction)."""
+
+    def put(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        """Store each (name, parts) atomically as the concatenation of its parts.
+
+        True = stored; False = the name already held an entry, left as it was
+        (names are content keys, so the stored entry is as good).
+        """
+
+    def get(self, names: Sequence[str]) -> list[Stored | None]:
+        """Each entry's bytes, or None for a miss (counts as a use for eviction)."""
+
+    def delete(self, names: Sequence[str]) -> None:
+        """Remove entries; a missing name is not an error."""
+
+    def close(self) -> None:
+        """Release connections and files; any later call raises StorageError."""
+
+
+# URL option parsers, shared by the backends' from_url.
+
+_SIZE_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """A positive byte count: an int with an optional binary suffix K, M, G, T (``500G``)."""
+    m = re.fullmatch(r"(\d+)([kmgtKMGT]?)", text.strip())
+    if not m or int(m.group(1)) == 0:
+        raise ValueError("want a positive integer, optionally with a suffix K, M, G or T")
+    return int(m.group(1)) * _SIZE_SUFFIX[m.group(2).lower()]
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("want 1/0, true/false, yes/no or on/off")
+
+
+def parse_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("want a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise ValueError("want a positive, finite number of seconds")
+    return value
+
+
+def parse_count(text: str) -> int:
+    if not text.strip().isdigit():
+        raise ValueError("want a non-negative integer")
+    return int(text)
+
+
+T = TypeVar("T")
+
+
+def url_options(url: str, query: str, parsers: Mapping[str, Callable[[str], T]]) -> dict[str, T]:
+    """Parse ``query`` with one parser per known option; ValueError naming the URL for an
+    unknown, repeated or unparsable option (a typo must not be silently ignored)."""
+    out: dict[str, T] = {}
+    for key, value in urllib.parse.parse_qsl(query, keep_blank_values=True):
+        if key not in parsers:
+            raise ValueError(f"storage URL {url!r}: unknown option {key!r} "
+                             f"(known: {', '.join(sorted(parsers))})")
+        if key in out:
+            raise ValueError(f"storage URL {url!r}: option {key!r} given twice")
+        try:
+            out[key] = parsers[key](value)
+        except ValueError as exc:
+            raise ValueError(f"storage URL {url!r}: option {key}={value!r}: {exc}") from None
+    return out
+
+
+def open_backend(url: str) -> StorageBackend:
+    """The backend a storage URL names.
+
+    - ``file:///abs/dir?capacity_bytes=500G&fsync=0``, or a bare absolute path: a directory
+      (:mod:`kvswap.daemon.storage_file`); created if missing.
+    - ``redis://[[user]:password@]host:port/db?timeout_s=5``, ``rediss://`` (TLS),
+      ``unix:///path/redis.sock?db=0``: Redis or Valkey
+      (:mod:`kvswap.daemon.storage_redis`, needs ``kvswap[redis]``); connects lazily.
+
+    ValueError for a malformed URL, an unknown scheme or option.  A new backend
+    (Mooncake, S3) is a module with a ``from_url`` plus one line here.
+    """
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"storage URL must be a non-empty string, got {url!r}")
+    scheme, sep, _ = url.partition("://")
+    if not sep:
+        if not url.startswith("/"):
+            raise ValueError(f"storage URL {url!r} is neither scheme://... nor an absolute path")
+        from kvswap.daemon.storage_file import FileBackend
+
+        return FileBackend(url)
+    scheme = scheme.lower()
+    if scheme == "file":
+        from kvswap.daemon.storage_file import FileBackend
+
+        return FileBackend.from_url(url)
+    if scheme in ("redis", "rediss", "unix"):
+        try:
+            from kvswap.daemon.storage_redis import RedisBackend
+        except ImportError as exc:
+            if exc.name != "redis" and not (exc.name or "").startswith("redis."):
+                raise
+            raise ValueError(f"storage URL {url!r} needs the redis package: "
+                             f"pip install 'kvswap[redis]' ({exc})") from exc
+        return RedisBackend.from_url(url)
+    raise ValueError(f"storage URL {url!r}: unknown scheme {scheme!r} "
+                     "(known: file://, redis://, rediss://, unix://, or a bare path)")

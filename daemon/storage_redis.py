@@ -1,0 +1,211 @@
+"""Storage backend on Redis or Valkey (redis-py; install ``kvswap[redis]``).
+
+One Redis string per entry (the packed entry: header and payload joined once per
+put).  Every call is one round trip for the whole batch: a non-transactional
+pipeline of ``SET name value NX [EX ttl]`` for ``put`` (MSETNX would refuse the
+whole batch when one name exists; NX per key skips just that one), ``MGET`` for
+``get``, a pipeline of ``EXISTS`` for ``contains`` (multi-key EXISTS only counts)
+and ``UNLINK`` for ``delete`` (frees large values off Redis's main thread).
+Large puts are cut into pipelines of at most ``PIPELINE_BYTES`` so that a batch
+never sits in memory twice over.
+
+Failures: a connection error (refused, reset, the server restarted) is retried
+with exponential backoff, on a fresh connection, up to ``retries`` times and
+never past ``timeout_s`` from the start of the call, then raised as
+StorageError; a server that accepts but does not answer for ``timeout_s``
+(socket timeout) raises StorageTimeout at once (no retry: retrying would double
+the wait); an error reply (out of memory, read-only replica) raises
+StorageError.  redis-py's own retries are off so that these bounds hold.  A
+broken connection is dropped and the next call reconnects.
+
+A single Redis/Valkey server (or a proxy that speaks to one) is supported; a
+Redis Cluster is not (``MGET`` across hash slots).
+"""
+
+from __future__ import annotations
+
+import time
+import urllib.parse
+from typing import Callable, Sequence, TypeVar, cast
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvswap.daemon.storage import (
+    Buffer,
+    Stored,
+    StorageError,
+    StorageTimeout,
+    as_byte_views,
+    check_names,
+    parse_count,
+    parse_seconds,
+    url_options,
+)
+
+PIPELINE_BYTES = 64 << 20  # values per put pipeline (a single entry may exceed it)
+_BACKOFF_BASE_S = 0.05
+_BACKOFF_CAP_S = 1.0
+_SOCKET_READ_SIZE = 1 << 20  # fewer recv calls for multi-MB values than redis-py's 64 KiB
+
+# Our options: parsed and removed from the URL before redis-py sees it.
+_OPTIONS: dict[str, Callable[[str], float | int]] = {
+    "timeout_s": parse_seconds,
+    "connect_timeout_s": parse_seconds,
+    "retries": parse_count,
+    "max_connections": parse_count,
+    "ttl_s": parse_count,
+}
+# redis-py's own options, passed through unchanged (TLS files for rediss://, the db of unix://).
+_PASSTHROUGH = ("db", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+
+T = TypeVar("T")
+
+
+class RedisBackend:
+    """Entries in one Redis database; see the module docstring.
+
+    Thread-safe: redis-py's connection pool hands each concurrent call its own
+    connection (at most ``max_connections``).
+    """
+
+    def __init__(self, pool: redis.ConnectionPool, where: str, *, timeout_s: float = 5.0,
+                 retries: int = 3, ttl_s: int = 0):
+        self._client = redis.Redis(connection_pool=pool)
+        self._pool = pool
+        self.where = where
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.ttl_s = ttl_s
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str) -> "RedisBackend":
+        """``redis://[[user]:password@]host:port/db``, ``rediss://...`` (TLS) or
+        ``unix:///path/redis.sock?db=N``, with the options of docs/storage.md."""
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme in ("redis", "rediss") and not parts.hostname:
+            raise ValueError(f"storage URL {url!r}: no host (want redis://host:port/db)")
+        if parts.scheme == "unix" and not parts.path:
+            raise ValueError(f"storage URL {url!r}: no socket path (want unix:///path/sock)")
+        try:
+            parts.port  # the property raises ValueError for a malformed port
+        except ValueError as exc:
+            raise ValueError(f"storage URL {url!r}: {exc}") from None
+        if parts.scheme != "unix" and parts.path not in ("", "/") and \
+                not parts.path.lstrip("/").isdigit():
+            raise ValueError(f"storage URL {url!r}: the path must be a database number")
+        query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+        ours = [(k, v) for k, v in query if k not in _PASSTHROUGH]
+        theirs = [(k, v) for k, v in query if k in _PASSTHROUGH]
+        opts = url_options(url, urllib.parse.urlencode(ours), _OPTIONS)
+        timeout_s = float(opts.get("timeout_s", 5.0))
+        # Not urlunsplit: it would drop the empty host of unix:///path.
+        rest = f"?{urllib.parse.urlencode(theirs)}" if theirs else ""
+        pool = redis.ConnectionPool.from_url(
+            f"{parts.scheme}://{parts.netloc}{parts.path}{rest}",
+            socket_timeout=timeout_s,
+            socket_connect_timeout=float(opts.get("connect_timeout_s", timeout_s)),
+            **({} if parts.scheme == "unix" else {"socket_keepalive": True}),
+            socket_read_size=_SOCKET_READ_SIZE,
+            retry=Retry(NoBackoff(), 0),
+            max_connections=int(opts.get("max_connections", 0)) or None,
+        )
+        host = parts.path if parts.scheme == "unix" else parts.netloc.rpartition("@")[2]
+        db = pool.connection_kwargs.get("db", 0)
+        return cls(pool, f"{parts.scheme}://{host} db {db}", timeout_s=timeout_s,
+                   retries=int(opts.get("retries", 3)), ttl_s=int(opts.get("ttl_s", 0)))
+
+    def __repr__(self) -> str:
+        return f"RedisBackend({self.where})"  # never the URL: it may hold a password
+
+    def _check(self, names: Sequence[str]) -> None:
+        if self._closed:
+            raise StorageError(f"redis storage {self.where}: backend is closed")
+        check_names(names)
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (one round trip) under the retry and timeout rules of the module."""
+        deadline = time.monotonic() + self.timeout_s
+        failures = 0
+        while True:
+            try:
+                return fn()
+            except redis.TimeoutError as exc:
+                raise StorageTimeout(f"redis storage {self.where}: {what} got no answer within "
+                                     f"{self.timeout_s:g} s: {exc}") from exc
+            except redis.ConnectionError as exc:
+                failures += 1
+                delay = min(_BACKOFF_BASE_S * 2 ** (failures - 1), _BACKOFF_CAP_S)
+                if failures > self.retries or time.monotonic() + delay >= deadline:
+                    raise StorageError(f"redis storage {self.where}: {what} failed after "
+                                       f"{failures} attempt(s): {exc}") from exc
+                time.sleep(delay)
+            except redis.RedisError as exc:
+                raise StorageError(f"redis storage {self.where}: {what}: {exc}") from exc
+
+    def _pipeline(self) -> redis.client.Pipeline:
+        return self._client.pipeline(transaction=False)
+
+    # ------------------------------------------------------------ interface
+
+    def contains(self, names: Sequence[str]) -> list[bool]:
+        self._check(names)
+        if not names:
+            return []
+
+        def run() -> list[bool]:
+            pipe = self._pipeline()
+            for name in names:
+                pipe.exists(name)
+            return [bool(n) for n in pipe.execute()]
+
+        return self._call(f"contains ({len(names)} names)", run)
+
+    def put(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        self._check([name for name, _ in items])
+        views = [as_byte_views(parts) for _, parts in items]  # all checked before any is sent
+        stored: list[bool] = []
+        batch: list[tuple[str, bytes]] = []
+        batch_bytes = 0
+
+        def flush() -> None:
+            def run() -> list[bool]:
+                pipe = self._pipeline()
+                for name, value in batch:
+                    pipe.set(name, value, nx=True, ex=self.ttl_s or None)
+                # SET NX answers True when set, None when the name existed.  After a
+                # reconnect, an entry this call already stored reads as existing.
+                return [r is True for r in pipe.execute()]
+
+            stored.extend(self._call(f"put ({len(batch)} entries)", run))
+            batch.clear()
+
+        for (name, _), entry in zip(items, views):
+            value = b"".join(entry)
+            batch.append((name, value))
+            batch_bytes += len(value)
+            if batch_bytes >= PIPELINE_BYTES:
+                flush()
+                batch_bytes = 0
+        if batch:
+            flush()
+        return stored
+
+    def get(self, names: Sequence[str]) -> list[Stored | None]:
+        self._check(names)
+        if not names:
+            return []
+        # Values are bytes: the pool does not decode responses.
+        return self._call(f"get ({len(names)} names)",
+                          lambda: cast("list[Stored | None]", self._client.mget(names)))
+
+    def delete(self, names: Sequence[str]) -> None:
+        self._check(names)
+        if names:
+            self._call(f"delete ({len(names)} names)", lambda: self._client.unlink(*names))
+
+    def close(self) -> None:
+        self._closed = True
+        self._pool.disconnect()

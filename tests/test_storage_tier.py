@@ -1,0 +1,242 @@
+"""The storage tier end to end (host backend, TP=2): backup, prefetch, exists,
+cross-rank agreement, corruption, a shared Redis between two "nodes", a dead Redis."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from kvswap.client import ErrorCode, TransferClient, TransferFailed
+from kvswap.client.block_keys import block_hashes, entry_name, model_fingerprint
+from kvswap.client.layout import TensorDesc, demo_layout, layout_hash
+from kvswap.client.signals import poll_until
+from kvswap.daemon.demo import RankView, pattern
+from kvswap.daemon.storage import open_backend
+
+LAYOUT = "layers=2,block_tokens=4,heads=2,head_dim=8,blocks=32"
+HOST = 32
+TENSORS = [TensorDesc(t.name, t.layer, t.dtype, t.shape) for t in demo_layout(LAYOUT)]
+FINGERPRINT = model_fingerprint(layout_hash(TENSORS), "default|tp=2")
+
+
+def _keys(n: int, salt: int = 0) -> list[bytes]:
+    tokens = list(range(salt * 1000, salt * 1000 + 4 * n))
+    return block_hashes(tokens, 4)
+
+
+def _launch(namespaces, url: str, **kw):
+    return namespaces.launch(tp=2, demo_caches=LAYOUT, host_blocks=HOST, storage_url=url, **kw)
+
+
+def _client(launcher) -> TransferClient:
+    c = TransferClient(launcher.names.namespace, 2, run_root=str(launcher.names.run_root),
+                       task_timeout=30)
+    c.wait_ready(20)
+    return c
+
+
+class Tags:
+    """The test's model of which content tag every device and host block holds."""
+
+    def __init__(self, launcher):
+        self.views = [RankView(launcher.names, r, TENSORS, HOST) for r in range(2)]
+        self.dev = np.zeros(32, dtype=np.int64)
+        self.fill_device(list(range(32)), list(range(1, 33)))  # block b holds tag b + 1
+
+    def fill_device(self, blocks, tags):
+        self.dev[blocks] = tags
+        for rank, view in enumerate(self.views):
+            for ti, t in enumerate(TENSORS):
+                view.device[ti][blocks] = pattern(rank, ti, np.asarray(tags),
+                                                  t.bytes_per_block // 8)
+
+    def device_has(self, blocks, tags) -> bool:
+        return all(np.array_equal(view.device[ti][blocks],
+                                  pattern(rank, ti, np.asarray(tags), t.bytes_per_block // 8))
+                   for rank, view in enumerate(self.views) for ti, t in enumerate(TENSORS))
+
+    def close(self):
+        for v in self.views:
+            v.close()
+
+
+def _round_trip(namespaces, url: str):
+    launcher = _launch(namespaces, url)
+    tags = Tags(launcher)
+    client = _client(launcher)
+    try:
+        keys = _keys(6)
+        dev, host = [1, 5, 9, 13, 17, 21], [0, 2, 4, 6, 8, 10]
+        client.evict(dev, host).result()
+        r = client.backup(host, keys).result()
+        assert r.count == 6 and all(x.fields["skipped"] == 0 for x in r.replies.values())
+        again = client.backup(host, keys).result()  # already stored: skipped, reported
+        assert again.count == 0 and all(x.fields["skipped"] == 6 for x in again.replies.values())
+        assert client.exists(keys).result().count == 6
+        assert client.exists(keys + _keys(2, salt=9)).result().count == 6
+        # wipe host (evict zeroed device blocks over it) and the device blocks
+        tags.fill_device([30, 31], [0, 0])
+        client.evict([30] * 6, host).result()
+        tags.fill_device(dev, [0] * 6)
+        got = client.prefetch(keys, [20, 21, 22, 23, 24, 25]).result()
+        assert got.count == 6
+        client.load([20, 21, 22, 23, 24, 25], [2, 3, 4, 6, 7, 8]).result()
+        assert tags.device_has([2, 3, 4, 6, 7, 8], [2, 6, 10, 14, 18, 22])
+    finally:
+        client.close()
+        tags.close()
+    return launcher
+
+
+def test_file_backend_round_trip(namespaces, tmp_path):
+    _round_trip(namespaces, f"file://{tmp_path}/store")
+
+
+def test_redis_backend_round_trip(namespaces, redis_url):
+    _round_trip(namespaces, redis_url)
+
+
+def test_two_nodes_share_one_redis(namespaces, redis_url):
+    """Node A (one launch) backs up; node B (another launch, other shm) prefetches."""
+    a = _launch(namespaces, redis_url)
+    b = _launch(namespaces, redis_url)
+    keys = _keys(4, salt=3)
+    ta = Tags(a)
+    tb = Tags(b)
+    ca, cb = _client(a), _client(b)
+    try:
+        ta.fill_device([3, 4, 5, 6], [101, 102, 103, 104])
+        ca.evict([3, 4, 5, 6], [0, 1, 2, 3]).result()
+        assert ca.backup([0, 1, 2, 3], keys).result().count == 4
+        assert cb.prefetch(keys, [7, 8, 9, 10]).result().count == 4
+        cb.load([7, 8, 9, 10], [20, 21, 22, 23]).result()
+        assert tb.device_has([20, 21, 22, 23], [101, 102, 103, 104])
+    finally:
+        ca.close()
+        cb.close()
+        ta.close()
+        tb.close()
+
+
+def test_rank_disagreement_loads_the_agreed_prefix_only(namespaces, tmp_path):
+    url = f"file://{tmp_path}/store"
+    launcher = _launch(namespaces, url)
+    tags = Tags(launcher)
+    client = _client(launcher)
+    store = open_backend(url)
+    try:
+        keys = _keys(5, salt=5)
+        client.evict([1, 2, 3, 4, 5], [0, 1, 2, 3, 4]).result()
+        client.backup([0, 1, 2, 3, 4], keys).result()
+        store.delete([entry_name(keys[3], 1, FINGERPRINT)])  # rank 1 loses key 3
+        assert client.exists(keys).result().count == 3
+        tags.fill_device([31], [0])
+        client.evict([31] * 5, [10, 11, 12, 13, 14]).result()  # zero the destinations
+        got = client.prefetch(keys, [10, 11, 12, 13, 14]).result()
+        assert got.count == 3 and [r.fields["count"] for r in got.replies.values()] == [3, 3]
+        client.load([10, 11, 12, 13, 14], [20, 21, 22, 23, 24]).result()
+        assert tags.device_has([20, 21, 22], [2, 3, 4])
+        assert tags.device_has([23, 24], [0, 0])  # nothing past the agreed prefix
+    finally:
+        store.close()
+        client.close()
+        tags.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_entry_is_a_miss_and_never_loaded(namespaces, tmp_path, damage):
+    url = f"file://{tmp_path}/store"
+    launcher = _launch(namespaces, url)
+    tags = Tags(launcher)
+    client = _client(launcher)
+    store = open_backend(url)
+    try:
+        keys = _keys(4, salt=7)
+        client.evict([1, 2, 3, 4], [0, 1, 2, 3]).result()
+        client.backup([0, 1, 2, 3], keys).result()
+        name = entry_name(keys[2], 0, FINGERPRINT)
+        raw = bytearray(bytes(store.get([name])[0]))
+        raw = raw[:len(raw) // 2] if damage == "truncate" else raw
+        if damage == "flip":
+            raw[-5] ^= 0xFF
+        store.delete([name])
+        assert store.put([(name, [bytes(raw)])]) == [True]
+        tags.fill_device([31], [0])
+        client.evict([31] * 4, [10, 11, 12, 13]).result()
+        assert client.prefetch(keys, [10, 11, 12, 13]).result().count == 2
+        client.load([10, 11, 12, 13], [20, 21, 22, 23]).result()
+        assert tags.device_has([20, 21], [2, 3]) and tags.device_has([22, 23], [0, 0])
+        log = (launcher.names.run_dir / "rank0.log").read_text()
+        assert log.count(f"storage entry {name} is unusable") == 1
+        assert store.contains([name]) == [False]  # deleted, so it can be backed up again
+        assert client.backup([0, 1, 2, 3], keys).result().replies[0].fields["count"] == 1
+    finally:
+        store.close()
+        client.close()
+        tags.close()
+
+
+def test_dead_redis_fails_storage_ops_and_swaps_go_on(namespaces, redis_server):
+    url = redis_server.start_another()
+    launcher = _launch(namespaces, url)
+    client = _client(launcher)
+    try:
+        keys = _keys(2, salt=8)
+        client.evict([1, 2], [0, 1]).result()
+        assert client.backup([0, 1], keys).result().count == 2
+        redis_server.stop_another()
+        t0 = time.monotonic()
+        with pytest.raises(TransferFailed) as ei:
+            client.prefetch(keys, [5, 6]).result()
+        assert time.monotonic() - t0 < 20
+        assert {f.code for f in ei.value.failures} <= {ErrorCode.STORAGE_ERROR,
+                                                       ErrorCode.STORAGE_TIMEOUT}
+        assert client.evict([3], [3]).result().replies[0].ok  # swap tasks unaffected
+        assert client.load([3], [4]).result().replies[1].ok
+    finally:
+        client.close()
+
+
+def test_storage_ops_without_a_storage_tier_are_refused(namespaces):
+    launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=HOST)
+    with TransferClient(launcher.names.namespace, 1, run_root=str(launcher.names.run_root)) as c:
+        with pytest.raises(TransferFailed) as ei:
+            c.exists(_keys(1)).result(10)
+        assert ei.value.failures[0].code == ErrorCode.STORAGE_ERROR
+        assert c.evict([1], [1]).result(10)
+
+
+def test_running_prefetch_can_be_cancelled(namespaces, tmp_path):
+    launcher = _launch(namespaces, f"file://{tmp_path}/store")
+    client = _client(launcher)
+    try:
+        keys = _keys(2, salt=11)
+        client.evict([1, 2], [0, 1]).result()
+        client.backup([0, 1], keys).result()
+        pid1 = launcher.procs[1].pid
+        os.kill(pid1, signal.SIGSTOP)  # rank 1 never reaches the agreement
+        try:
+            fut = client.prefetch(keys, [5, 6])
+            posted = poll_until(  # rank 0 has posted round 0 and waits for rank 1
+                lambda: True if (launcher.seg.agree[0][:, 0] == fut.task_id).any() else None,
+                time.monotonic() + 20)
+            assert posted
+            cancel = fut.cancel()
+            # resume rank 1 only once rank 0 has taken the cancel (it answers at once)
+            assert poll_until(lambda: True if 0 in cancel._replies else None,
+                              time.monotonic() + 20)
+        finally:
+            os.kill(pid1, signal.SIGCONT)
+        assert cancel.result(30).replies[0].fields["cancelled"] is True
+        with pytest.raises(TransferFailed) as ei:
+            fut.result(30)
+        codes = {f.rank: f.code for f in ei.value.failures}
+        assert codes[0] == ErrorCode.CANCELLED
+        assert codes.get(1) in (ErrorCode.CANCELLED, ErrorCode.BARRIER_ABORTED)  # aborted too
+        assert client.evict([3], [3]).result().replies[0].ok
+    finally:
+        client.close()

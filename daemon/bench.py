@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -36,8 +37,11 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
+from kvswap.client.block_keys import block_hashes
+from kvswap.client.errors import ErrorCode, KvswapError
 from kvswap.client.layer_progress import LayerProgress
-from kvswap.client.signals import R
+from kvswap.client.layout import demo_layout
+from kvswap.client.signals import R, poll_until
 from kvswap.client.transfer_client import TransferClient, TransferSpec
 from kvswap.daemon.bench_refs import (
     REPLY_TIMEOUT_S,
@@ -512,6 +516,151 @@ def _block_sizes(text: str) -> list[int]:
     return sizes
 
 
+# ------------------------------------------------------------------ storage
+
+STORAGE_LAYOUT = "layers=4,block_tokens=16,heads=8,head_dim=128,dtype=float16,blocks=32"
+
+
+class _RedisServer:
+    """A throw-away redis-server on a free loopback port (``--redis auto``)."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise KvswapError("--redis auto needs redis-server on PATH", ErrorCode.STORAGE_ERROR)
+        self.dir = tempfile.mkdtemp(prefix="kvb-redis-", dir="/tmp")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir], stdout=subprocess.DEVNULL)
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        import redis
+
+        conn = redis.Redis.from_url(self.url)
+        ok = poll_until(lambda: True if _pings(conn) else None, time.monotonic() + 10)
+        conn.close()
+        if not ok:
+            self.close()
+            raise KvswapError("redis-server did not start", ErrorCode.STORAGE_ERROR)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _pings(conn) -> bool:
+    import redis
+
+    try:
+        return bool(conn.ping())
+    except redis.exceptions.ConnectionError:
+        return False
+
+
+def _file_reference(payloads: list[bytes], root: str) -> tuple[float, float]:
+    """Plain file I/O of the same payloads: one file each, written then read back."""
+    paths = [os.path.join(root, f"ref{i}") for i in range(len(payloads))]
+    t0 = time.perf_counter()
+    for p, data in zip(paths, payloads):
+        with open(p, "wb") as f:
+            f.write(data)
+    t1 = time.perf_counter()
+    for p in paths:
+        with open(p, "rb") as f:
+            f.read()
+    t2 = time.perf_counter()
+    for p in paths:
+        os.unlink(p)
+    return t1 - t0, t2 - t1
+
+
+def _redis_reference(payloads: list[bytes], url: str, salt: int) -> tuple[float, float]:
+    """Raw pipelined SET / MGET of the same payloads."""
+    import redis
+
+    conn = redis.Redis.from_url(url)
+    names = [f"kvswap-bench-ref.{salt}.{i}" for i in range(len(payloads))]
+    try:
+        t0 = time.perf_counter()
+        pipe = conn.pipeline(transaction=False)
+        for n, data in zip(names, payloads):
+            pipe.set(n, data)
+        pipe.execute()
+        t1 = time.perf_counter()
+        conn.mget(names)
+        t2 = time.perf_counter()
+        conn.delete(*names)
+    finally:
+        conn.close()
+    return t1 - t0, t2 - t1
+
+
+def bench_storage(args: argparse.Namespace) -> dict:
+    """Backup and prefetch GB/s through kvswap vs the same bytes through the bare store."""
+    n = args.blocks
+    tensors = demo_layout(STORAGE_LAYOUT)
+    block_bytes = sum(int(np.prod(t.shape[1:])) * np.dtype(t.dtype).itemsize for t in tensors)
+    store_dir = tempfile.mkdtemp(prefix="kvb-store-", dir=args.dir)
+    redis_server = _RedisServer() if args.redis == "auto" else None
+    targets = [("file", f"file://{store_dir}/kv")]
+    if args.redis:
+        targets.append(("redis", redis_server.url if redis_server else args.redis))
+    rng = np.random.default_rng(0)
+    payloads = [rng.bytes(block_bytes) for _ in range(n)]
+    rows = []
+    try:
+        for kind, url in targets:
+            samples: dict[str, list[float]] = {k: [] for k in ("backup", "prefetch", "ref_w",
+                                                             "ref_r")}
+            with _Namespace(1, STORAGE_LAYOUT, n, ["--storage", url]) as client:
+                client.evict(list(range(min(n, 32))), list(range(min(n, 32)))).result(60)
+                for rnd in range(args.repeat + 1):
+                    keys = block_hashes(list(range(rnd * 10**6, rnd * 10**6 + 16 * n)), 16)
+                    t0 = time.perf_counter()
+                    client.backup(list(range(n)), keys).result(120)
+                    t1 = time.perf_counter()
+                    got = client.prefetch(keys, list(range(n))).result(120)
+                    t2 = time.perf_counter()
+                    if got.count != n:
+                        raise KvswapError(f"prefetch loaded {got.count} of {n} blocks",
+                                          ErrorCode.STORAGE_ERROR)
+                    ref = (_file_reference(payloads, store_dir) if kind == "file"
+                           else _redis_reference(payloads, url, rnd))
+                    if rnd:  # the first round warms caches and connections
+                        samples["backup"].append(t1 - t0)
+                        samples["prefetch"].append(t2 - t1)
+                        samples["ref_w"].append(ref[0])
+                        samples["ref_r"].append(ref[1])
+            total = n * block_bytes
+            med = {k: statistics.median(v) for k, v in samples.items()}
+            rows.append({
+                "backend": kind, "blocks": n, "block_bytes": block_bytes,
+                "backup_gbps": round(total / med["backup"] / 1e9, 3),
+                "reference_write_gbps": round(total / med["ref_w"] / 1e9, 3),
+                "backup_ratio": round(med["ref_w"] / med["backup"], 2),
+                "prefetch_gbps": round(total / med["prefetch"] / 1e9, 3),
+                "reference_read_gbps": round(total / med["ref_r"] / 1e9, 3),
+                "prefetch_ratio": round(med["ref_r"] / med["prefetch"], 2),
+            })
+    finally:
+        if redis_server is not None:
+            redis_server.close()
+        shutil.rmtree(store_dir, ignore_errors=True)
+    return {"storage": rows}
+
+
+def _args_storage(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--blocks", type=int, default=128, help="blocks per backup / prefetch")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--dir", default=None, help="where the file store lives (default /tmp)")
+    p.add_argument("--redis", default=None, metavar="URL|auto",
+                   help="also measure Redis at URL, or 'auto' to start a throw-away "
+                        "redis-server")
+
+
 def _args_tasks(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--tasks", type=int, default=5000)
@@ -546,6 +695,8 @@ def _args_data(p: argparse.ArgumentParser) -> None:
 
 
 SCENARIOS["tasks"] = (_args_tasks, bench_tasks, "tasks/s of small tasks: merging, batching")
+SCENARIOS["storage"] = (_args_storage, bench_storage,
+                        "backup / prefetch GB/s vs plain file I/O and raw Redis SET/GET")
 SCENARIOS["layerwise"] = (_args_layerwise, bench_layerwise,
                           "time to the first layer vs the whole layer-wise load")
 SCENARIOS["control"] = (_args_control, bench_control,

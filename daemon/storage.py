@@ -182,8 +182,14 @@ class StorageBackend(Protocol):
         (names are content keys, so the stored entry is as good).
         """
 
-    def get(self, names: Sequence[str]) -> list[Stored | None]:
-        """Each entry's bytes, or None for a miss (counts as a use for eviction)."""
+    def get(self, names: Sequence[str],
+            into: Sequence[memoryview] | None = None) -> list[Stored | None]:
+        """Each entry's bytes, or None for a miss (counts as a use for eviction).
+
+        ``into``: one writable buffer per name that the backend may read the entry
+        into (then the returned view points into it); a backend that cannot read in
+        place ignores it.  Reusing buffers spares a fresh allocation, and its page
+        faults, per entry."""
 
     def delete(self, names: Sequence[str]) -> None:
         """Remove entries; a missing name is not an error."""

@@ -186,13 +186,14 @@ class FileBackend:
                 self._account(written)
         return stored
 
-    def get(self, names: Sequence[str]) -> list[Stored | None]:
+    def get(self, names: Sequence[str],
+            into: Sequence[memoryview] | None = None) -> list[Stored | None]:
         self._check(names)
         out: list[Stored | None] = []
-        for name in names:
+        for i, name in enumerate(names):
             path = self._path(name)
             with _io_errors(f"get {path}"):
-                out.append(self._read(path))
+                out.append(self._read(path, into[i] if into is not None else None))
         return out
 
     def delete(self, names: Sequence[str]) -> None:
@@ -236,14 +237,17 @@ class FileBackend:
                 os.close(dfd)
 
     @staticmethod
-    def _read(path: str) -> memoryview | None:
+    def _read(path: str, into: memoryview | None) -> memoryview | None:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         try:
             size = os.fstat(fd).st_size
-            view = memoryview(bytearray(size))
+            if into is not None and into.nbytes >= size:
+                view = into.cast("B")
+            else:
+                view = memoryview(bytearray(size))
             got = 0
             while got < size:
                 n = os.readv(fd, [view[got:]])

@@ -193,7 +193,9 @@ class RedisBackend:
             flush()
         return stored
 
-    def get(self, names: Sequence[str]) -> list[Stored | None]:
+    def get(self, names: Sequence[str],
+            into: Sequence[memoryview] | None = None) -> list[Stored | None]:
+        # `into` is ignored: redis-py returns each value as a new bytes object.
         self._check(names)
         if not names:
             return []

@@ -125,12 +125,16 @@ class Scheduler:
                 raise RuntimeError("scheduler is stopping")
             task = Task(self._seq, op, device_ids, host_ids, priority, layerwise, ctx)
             self._seq += 1
-            prev = np.concatenate((self._dev_last[device_ids], self._host_last[host_ids]))
-            # Only unfinished tasks matter; they are the newest, so a cheap compare with
-            # the oldest of them leaves a handful of values to deduplicate.
-            oldest = min(self._live) if self._live else self._seq
-            prev = prev[prev >= oldest]
-            for s in (np.unique(prev).tolist() if prev.size else ()):
+            if device_ids.shape[0] + host_ids.shape[0] <= 32:
+                earlier = {int(x) for x in self._dev_last[device_ids].tolist()}
+                earlier.update(self._host_last[host_ids].tolist())
+            else:
+                prev = np.concatenate((self._dev_last[device_ids], self._host_last[host_ids]))
+                # Only unfinished tasks matter; they are the newest, so a cheap compare
+                # with the oldest of them leaves a handful of values to deduplicate.
+                oldest = min(self._live) if self._live else self._seq
+                earlier = set(np.unique(prev[prev >= oldest]).tolist())
+            for s in earlier:
                 before = self._live.get(s)
                 if before is not None:
                     before.dependents.append(task)

@@ -69,24 +69,29 @@ class BlockCopier:
             return 0
         src_n, dst_n = (self._a_blocks, self._b_blocks) if a_to_b else (
             self._b_blocks, self._a_blocks)
-        if (int(plan.src_start.min()) < 0 or int(plan.dst_start.min()) < 0
-                or int((plan.src_start + plan.counts).max()) > src_n
-                or int((plan.dst_start + plan.counts).max()) > dst_n):
-            raise IndexError(f"copy plan outside {src_n} source / {dst_n} destination blocks")
-        idx = np.arange(len(self._arrays)) if tensors is None else np.asarray(tensors)
-        src, dst = (self._a, self._b) if a_to_b else (self._b, self._a)
         runs = (np.ascontiguousarray(plan.src_start, dtype=np.int64),
                 np.ascontiguousarray(plan.dst_start, dtype=np.int64),
                 np.ascontiguousarray(plan.counts, dtype=np.int64))
-        if len(idx) > 1 and int(self._bpb[idx].sum()) * plan.num_blocks >= SPLIT_BYTES:
-            half = len(idx) // 2
-            other = self._helper.submit(self._copy, src, dst, idx[half:], runs)
-            return self._copy(src, dst, idx[:half], runs) + other.result()
-        return self._copy(src, dst, idx, runs)
-
-    def _copy(self, src: np.ndarray, dst: np.ndarray, idx: np.ndarray,
-              runs: tuple[np.ndarray, np.ndarray, np.ndarray]) -> int:
-        return copy_runs(src[idx], dst[idx], self._bpb[idx], *runs)
+        if plan.num_runs <= 16:
+            s, d, c = (r.tolist() for r in runs)
+            bad = (min(s) < 0 or min(d) < 0 or max(a + b for a, b in zip(s, c)) > src_n
+                   or max(a + b for a, b in zip(d, c)) > dst_n)
+        else:
+            bad = (int(runs[0].min()) < 0 or int(runs[1].min()) < 0
+                   or int((runs[0] + runs[2]).max()) > src_n
+                   or int((runs[1] + runs[2]).max()) > dst_n)
+        if bad:
+            raise IndexError(f"copy plan outside {src_n} source / {dst_n} destination blocks")
+        src, dst = (self._a, self._b) if a_to_b else (self._b, self._a)
+        bpb = self._bpb
+        if tensors is not None:
+            idx = np.asarray(tensors)
+            src, dst, bpb = src[idx], dst[idx], bpb[idx]
+        if len(bpb) > 1 and int(bpb.sum()) * plan.num_blocks >= SPLIT_BYTES:
+            half = len(bpb) // 2
+            other = self._helper.submit(copy_runs, src[half:], dst[half:], bpb[half:], *runs)
+            return copy_runs(src[:half], dst[:half], bpb[:half], *runs) + other.result()
+        return copy_runs(src, dst, bpb, *runs)
 
 
 def copy_blocks(plan: CopyPlan, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> int:

@@ -227,3 +227,16 @@ def test_msgpack_header_is_a_map_with_version_first_class():
     frames = encode_request(Op.PING, 9)
     body = msgpack.unpackb(frames[0])
     assert body == {"v": list(PROTOCOL_VERSION), "id": 9, "op": "ping"}
+
+
+@pytest.mark.parametrize("n", [2, 16, 17, 5000])
+def test_small_and_large_checks_agree(n):
+    """The Python path (<= 16 ids) and the numpy path find the same duplicate."""
+    from kvswap.client.protocol import first_duplicate
+    rng = np.random.default_rng(n)
+    ids = rng.permutation(10 * n)[:n]
+    assert first_duplicate(ids) is None
+    ids[-1] = ids[0]
+    ids[n // 2] = ids[1] if n > 2 else ids[0]
+    expected = int(min(ids[0], ids[1])) if n > 2 else int(ids[0])
+    assert first_duplicate(ids) == expected

@@ -124,6 +124,7 @@ class TransferFuture:
         self.blocks: tuple[np.ndarray, np.ndarray] | None = None  # (device, host) ids
         self.retried: set[int] = set()  # ranks this task was re-sent to
         self.backup: TransferFuture | None = None  # evict(..., backup_keys=...)
+        self.batch_id: int | None = None  # the batch message that carries this task
         self.op = op
         self.ranks = tuple(ranks)
         self.deadline = deadline
@@ -380,6 +381,8 @@ class TransferClient:
         batch = [BatchItem(f.task_id, t.op, dev, host, t.priority, t.layerwise)
                  for f, t, (dev, host) in zip(futures, tasks, items)]
         carrier = self._new_future(Op.BATCH)
+        for f in futures:
+            f.batch_id = carrier.task_id
         carrier.add_done_callback(lambda c: self._fail_batch(c, futures))
         self._enqueue(carrier, batch_message(carrier.task_id, batch), extra=futures)
         return futures
@@ -599,7 +602,11 @@ class TransferClient:
                        if r in f.ranks and r not in f._replies and f.task_id not in held),
                       key=lambda f: f.task_id)
         unsafe = _overlapping(lost)
+        resent_batches = {f.task_id for f in lost if f.op is Op.BATCH
+                          and r not in f.retried and f.task_id not in unsafe}
         for fut in lost:
+            if fut.batch_id in resent_batches:
+                continue  # travels again inside its re-sent batch message
             if fut.message is None:  # a task of a batch: its batch message was answered
                 why = "its batch was accepted before the restart"
             elif r in fut.retried:

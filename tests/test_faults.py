@@ -170,6 +170,24 @@ def test_silent_daemon_is_replaced_and_overlapping_inflight_tasks_fail_cleanly(n
         client.close()
 
 
+def test_batch_in_flight_at_a_restart_is_resent_whole(namespaces):
+    from kvswap.client import TransferSpec
+    launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=HOST,
+                                 supervision=SupervisorConfig(stale_after_s=1.0, backoff_s=0.05))
+    client = _client(launcher, task_timeout=30)
+    try:
+        with Supervising(launcher):
+            os.kill(launcher.procs[0].pid, signal.SIGSTOP)  # the batch is never answered
+            futs = client.submit_batch([TransferSpec.evict([1], [1]), TransferSpec.evict([2], [2]),
+                                        TransferSpec.load([3], [4])])
+            results = [f.result(30) for f in futs]  # re-sent inside the batch after restart
+        assert all(r.replies[0].ok for r in results)
+        assert int(launcher.seg.ranks[0, R.EPOCH]) == 2
+        assert client.retried == 1  # the batch message, once
+    finally:
+        client.close()
+
+
 def test_rank_is_fatal_after_retry_limit(namespaces):
     launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=HOST,
                                  supervision=SupervisorConfig(max_retries=0))

@@ -560,14 +560,32 @@ def _pings(conn) -> bool:
         return False
 
 
-def _file_reference(payloads: list[bytes], root: str) -> tuple[float, float]:
+def _drop_cache(root: str) -> None:
+    """Write back and drop from the page cache every file under ``root`` (no root
+    privileges needed), so the next read comes from the device."""
+    os.sync()
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _file_reference(payloads: list[bytes], root: str, cold: bool) -> tuple[float, float]:
     """Plain file I/O of the same payloads: one file each, written then read back."""
-    paths = [os.path.join(root, f"ref{i}") for i in range(len(payloads))]
+    ref = os.path.join(root, "ref")
+    os.makedirs(ref, exist_ok=True)
+    paths = [os.path.join(ref, f"ref{i}") for i in range(len(payloads))]
     t0 = time.perf_counter()
     for p, data in zip(paths, payloads):
         with open(p, "wb") as f:
             f.write(data)
     t1 = time.perf_counter()
+    if cold:
+        _drop_cache(ref)
+        t1 = time.perf_counter()
     for p in paths:
         with open(p, "rb") as f:
             f.read()
@@ -622,12 +640,15 @@ def bench_storage(args: argparse.Namespace) -> dict:
                     t0 = time.perf_counter()
                     client.backup(list(range(n)), keys).result(120)
                     t1 = time.perf_counter()
+                    if args.cold and kind == "file":
+                        _drop_cache(store_dir)
+                        t1 = time.perf_counter()
                     got = client.prefetch(keys, list(range(n))).result(120)
                     t2 = time.perf_counter()
                     if got.count != n:
                         raise KvswapError(f"prefetch loaded {got.count} of {n} blocks",
                                           ErrorCode.STORAGE_ERROR)
-                    ref = (_file_reference(payloads, store_dir) if kind == "file"
+                    ref = (_file_reference(payloads, store_dir, args.cold) if kind == "file"
                            else _redis_reference(payloads, url, rnd))
                     if rnd:  # the first round warms caches and connections
                         samples["backup"].append(t1 - t0)
@@ -637,7 +658,8 @@ def bench_storage(args: argparse.Namespace) -> dict:
             total = n * block_bytes
             med = {k: statistics.median(v) for k, v in samples.items()}
             rows.append({
-                "backend": kind, "blocks": n, "block_bytes": block_bytes,
+                "backend": kind, "cold": bool(args.cold and kind == "file"), "blocks": n,
+                "block_bytes": block_bytes,
                 "backup_gbps": round(total / med["backup"] / 1e9, 3),
                 "reference_write_gbps": round(total / med["ref_w"] / 1e9, 3),
                 "backup_ratio": round(med["ref_w"] / med["backup"], 2),
@@ -656,6 +678,9 @@ def _args_storage(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=int, default=128, help="blocks per backup / prefetch")
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--dir", default=None, help="where the file store lives (default /tmp)")
+    p.add_argument("--cold", action="store_true",
+                   help="file store: drop the store's and the reference's files from the page "
+                        "cache before reading (the data a storage tier holds is not in memory)")
     p.add_argument("--redis", default=None, metavar="URL|auto",
                    help="also measure Redis at URL, or 'auto' to start a throw-away "
                         "redis-server")

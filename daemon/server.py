@@ -906,10 +906,11 @@ class Daemon:
     def _prefetch(self, task: Task, names: list[str]) -> int:
         """Load the longest prefix every rank holds intact; return its length.
 
-        Round 0 agrees on how many leading entries every rank holds; each rank then
-        reads and verifies that many, stopping at the first missing or corrupt
-        entry (never used); round 1 agrees on how many every rank verified, and
-        only then does each rank copy exactly that many into its host blocks."""
+        Each rank reads and verifies its leading entries into a staging area,
+        stopping at the first missing or corrupt one (never used).  Round 0 agrees
+        on the minimum verified count; round 1 commits it (a rank may still cancel
+        or give up while waiting in round 0, never after posting round 1).  Only
+        then does each rank copy exactly that many into its host blocks."""
         from kvswap.daemon.storage import CorruptEntry, unpack_entry
 
         assert self._storage is not None and self._swap is not None
@@ -919,9 +920,7 @@ class Daemon:
             return task.cancel_requested or self._stopping
 
         timeout = self.cfg.storage_timeout_s
-        held = _leading(self._storage.contains(names))
-        agreed = self.agreement.agree(task_id, 0, held, timeout, cancelled, last_round=1)
-        raws = self._storage.get(names[:agreed], self._staging(agreed)) if agreed else []
+        raws = self._storage.get(names, self._staging(len(names))) if names else []
         end = next((i for i, raw in enumerate(raws) if raw is None), len(raws))
 
         def check(raw: Any) -> memoryview | CorruptEntry:
@@ -944,7 +943,8 @@ class Daemon:
                 self._storage.delete([name])
                 break
             verified.append(result)
-        final = self.agreement.agree(task_id, 1, len(verified), timeout, cancelled, last_round=1)
+        agreed = self.agreement.agree(task_id, 0, len(verified), timeout, cancelled, last_round=1)
+        final = self.agreement.agree(task_id, 1, agreed, timeout, cancelled, last_round=1)
         for host, payload in zip(task.host_ids.tolist()[:final], verified):
             for i, off, nbytes in self._tensor_spans:
                 self._swap.blocks[i][host] = np.frombuffer(payload, np.uint8, nbytes, off)

@@ -106,7 +106,11 @@ class Supervisor:
                     log.error("rank %d (pid %d) has not beaten for %.1fs: killing it", rp.rank,
                               rp.proc.pid, age)
                     rp.proc.kill()
-                    rp.proc.wait()
+                    try:
+                        rp.proc.wait(10)
+                    except subprocess.TimeoutExpired:  # stuck in the kernel: poll() reaps it later
+                        log.error("rank %d (pid %d) did not die within 10s of SIGKILL", rp.rank,
+                                  rp.proc.pid)
                     self._failed(rp, now, f"was silent for {age:.1f}s")
                     continue
                 ready = self.seg.state_of(rp.rank) == RankState.READY

@@ -233,12 +233,14 @@ def check_fields(fields: Mapping[str, Any], spec: OpSpec, req_id: int | None) ->
             )
 
 
+def request_header(op: Op, req_id: int, fields: Mapping[str, Any] | None = None) -> dict:
+    """The header map of a request: the common fields, then the op's."""
+    return {"v": list(PROTOCOL_VERSION), "id": req_id, "op": op.value, **(fields or {})}
+
+
 def encode_request(op: Op, req_id: int, fields: Mapping[str, Any] | None = None,
                    frames: Sequence[Any] = ()) -> list:
-    header = {"v": list(PROTOCOL_VERSION), "id": req_id, "op": op.value}
-    if fields:
-        header.update(fields)
-    return [packb(header), *frames]
+    return [packb(request_header(op, req_id, fields)), *frames]
 
 
 # --------------------------------------------------------------------------- block ids
@@ -412,8 +414,8 @@ def transfer_message(op: Op, req_id: int, device_ids: np.ndarray, host_ids: np.n
                      priority: int = 0, layerwise: bool = False) -> Message:
     """A transfer request; both id arrays share one dtype."""
     dtype = _wire_dtype((device_ids, host_ids))
-    header = {"v": list(PROTOCOL_VERSION), "id": req_id, "op": op.value, "ids": dtype,
-              "n": int(device_ids.shape[0]), **_transfer_fields(priority, layerwise)}
+    header = request_header(op, req_id, {"ids": dtype, "n": int(device_ids.shape[0]),
+                                         **_transfer_fields(priority, layerwise)})
     return Message(header, [device_ids.astype(dtype, copy=False),
                             host_ids.astype(dtype, copy=False)], epoch_stamped=True)
 
@@ -515,8 +517,8 @@ def decode_keys(buf: Any, n: int) -> np.ndarray:
 def storage_message(op: Op, req_id: int, host_ids: np.ndarray | None, keys: np.ndarray,
                     priority: int = 0) -> Message:
     """``backup``/``prefetch`` (host ids + keys) or ``exists`` (keys only)."""
-    header: dict = {"v": list(PROTOCOL_VERSION), "id": req_id, "op": op.value,
-                    "n": int(keys.shape[0]), **_transfer_fields(priority, False)}
+    header = request_header(op, req_id, {"n": int(keys.shape[0]),
+                                         **_transfer_fields(priority, False)})
     tail: list = [keys]
     if host_ids is not None:
         header["ids"] = _wire_dtype((host_ids,))
@@ -543,8 +545,7 @@ def batch_message(req_id: int, items: Sequence[BatchItem]) -> Message:
         tasks.append({"id": it.id, "op": it.op.value, "n": int(it.device_ids.shape[0]),
                       **_transfer_fields(it.priority, it.layerwise)})
         frames += [it.device_ids.astype(dtype, copy=False), it.host_ids.astype(dtype, copy=False)]
-    header = {"v": list(PROTOCOL_VERSION), "id": req_id, "op": Op.BATCH.value, "ids": dtype,
-              "tasks": tasks}
+    header = request_header(Op.BATCH, req_id, {"ids": dtype, "tasks": tasks})
     return Message(header, frames, epoch_stamped=True)
 
 

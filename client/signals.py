@@ -472,24 +472,27 @@ class SignalSegment:
             return None
         return max(0, (now if now is not None else now_ns()) - hb) / 1e9
 
+    def rank_snapshot(self, r: int, now: int | None = None) -> dict:
+        """Plain-data copy of one rank: its fields (state and last error as names,
+        the heartbeat as an age), histograms and error counts."""
+        row = {f.name: int(self.ranks[r, f.index]) for f in RANK_FIELDS}
+        row["rank"] = r
+        row["state"] = self.state_of(r).name
+        try:
+            row["last_error"] = ErrorCode(row["last_error"]).name
+        except ValueError:
+            row["last_error"] = str(row["last_error"])
+        row["heartbeat_age_s"] = self.heartbeat_age_s(r, now)
+        del row["heartbeat_ns"]
+        row.update(self.stats(r).snapshot())
+        return row
+
     def snapshot(self) -> dict:
         """Plain-data copy of the segment (for status and tests)."""
         now = now_ns()
         hdr = self.header
         engine_hb = int(hdr[H.ENGINE_HEARTBEAT_NS])
-        ranks = []
-        for r in range(self.tp_size):
-            row = {f.name: int(self.ranks[r, f.index]) for f in RANK_FIELDS}
-            row["rank"] = r
-            row["state"] = self.state_of(r).name
-            try:
-                row["last_error"] = ErrorCode(row["last_error"]).name
-            except ValueError:
-                row["last_error"] = str(row["last_error"])
-            row["heartbeat_age_s"] = self.heartbeat_age_s(r, now)
-            del row["heartbeat_ns"]
-            row.update(self.stats(r).snapshot())
-            ranks.append(row)
+        ranks = [self.rank_snapshot(r, now) for r in range(self.tp_size)]
         try:
             kv = KvCacheStatus(int(hdr[H.KVCACHE_STATUS])).name
         except ValueError:

@@ -38,7 +38,6 @@ from kvswap.client.errors import (
 )
 from kvswap.client.naming import Names, tcp_endpoints
 from kvswap.client.protocol import (
-    PROTOCOL_VERSION,
     BatchItem,
     Message,
     Op,
@@ -47,6 +46,7 @@ from kvswap.client.protocol import (
     as_keys,
     batch_message,
     decode_reply,
+    request_header,
     storage_message,
     transfer_message,
     validate_storage,
@@ -457,8 +457,7 @@ class TransferClient:
 
     def _control(self, op: Op, fields: dict | None = None) -> TransferFuture:
         fut = self._new_future(op)
-        header = {"v": list(PROTOCOL_VERSION), "id": fut.task_id, "op": op.value, **(fields or {})}
-        self._enqueue(fut, Message(header, []))
+        self._enqueue(fut, Message(request_header(op, fut.task_id, fields), []))
         return fut
 
     def _cancel(self, target: TransferFuture) -> TransferFuture:

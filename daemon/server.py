@@ -1025,7 +1025,7 @@ class Daemon:
         return {"state": self.sm.state.name, "epoch": self.sig[R.EPOCH], "pid": os.getpid()}
 
     def _run_stats(self, job: Job, req: Request | None) -> dict:
-        counters = self.seg.snapshot()["ranks"][self.rank]
+        counters = self.seg.rank_snapshot(self.rank)
         if self._scheduler is not None:
             counters["merged_batches"] = self._scheduler.merged_batches
             counters["queued"] = self._scheduler.pending

@@ -5,6 +5,6 @@ The planner is shared by every backend; the CUDA kernels and their loader
 """
 
 from kvswap.kernels.planner import CopyPlan, plan_copy
-from kvswap.kernels.host_copy import copy_blocks
+from kvswap.kernels.host_copy import BlockCopier
 
-__all__ = ["CopyPlan", "plan_copy", "copy_blocks"]
+__all__ = ["BlockCopier", "CopyPlan", "plan_copy"]

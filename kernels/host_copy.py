@@ -92,12 +92,3 @@ class BlockCopier:
             other = self._helper.submit(copy_runs, src[half:], dst[half:], bpb[half:], *runs)
             return copy_runs(src[:half], dst[:half], bpb[:half], *runs) + other.result()
         return copy_runs(src, dst, bpb, *runs)
-
-
-def copy_blocks(plan: CopyPlan, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> int:
-    """One-off copy of ``plan`` from each pair's first array to its second."""
-    copier = BlockCopier(pairs)
-    try:
-        return copier.copy(plan, a_to_b=True)
-    finally:
-        copier.close()

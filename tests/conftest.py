@@ -112,6 +112,13 @@ def wait_for_namespace_state(names: Names, tp: int, state, timeout: float = 30.0
     assert poll_until(check, time.monotonic() + timeout), f"ranks never reached {state.name}"
 
 
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class RedisServer:
     """A real redis-server on a free loopback port and a unix socket, in its own temp dir,
     without persistence.  ``start_another`` runs a second, independent one (for a test
@@ -121,9 +128,7 @@ class RedisServer:
         self.binary = binary
         self.dir = tempfile.mkdtemp(prefix="kvs-redis-", dir="/tmp")
         self.socket = os.path.join(self.dir, "redis.sock")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.proc: subprocess.Popen | None = None
         self._another: RedisServer | None = None
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvswap.kernels.host_copy import as_block_bytes, copy_blocks
+from kvswap.kernels.host_copy import BlockCopier, as_block_bytes
 from kvswap.kernels.planner import plan_copy
 
 N_SRC, N_DST = 40, 50
@@ -25,6 +25,15 @@ def id_pairs(draw):
     else:
         src = draw(st.lists(st.integers(0, N_SRC - 1), min_size=n, max_size=n))
     return np.array(src, dtype=np.int64), np.array(dst, dtype=np.int64)
+
+
+def copy_blocks(plan, pairs):
+    """Run ``plan`` from each pair's first array to its second; bytes copied."""
+    copier = BlockCopier(pairs)
+    try:
+        return copier.copy(plan, a_to_b=True)
+    finally:
+        copier.close()
 
 
 @settings(max_examples=300, deadline=None)

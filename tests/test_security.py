@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import stat
 import time
 
@@ -15,16 +14,11 @@ from kvswap.client.auth import AuthFailed, ReplayGuard, load_secret, sign, verif
 from kvswap.client.errors import ErrorCode, NotReady
 from kvswap.client.protocol import Op, decode_reply, encode_request, transfer_message
 
+from conftest import free_port
 from test_daemon import RawPeer
 
 LAYOUT = "layers=1,block_tokens=4,heads=2,head_dim=8,blocks=16"
 SECRET = b"0123456789abcdef-kvswap-test-secret"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -61,7 +55,7 @@ class Peer(RawPeer):
 
 
 def test_tcp_requires_signed_fresh_unreplayed_messages(namespaces, secret_file):
-    port = _free_port()
+    port = free_port()
     launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=8,
                                  tcp=f"127.0.0.1:{port}", secret_file=str(secret_file))
     names = launcher.names
@@ -111,7 +105,7 @@ def test_secret_file_must_be_private(namespaces, tmp_path):
         load_secret(short)
     with pytest.raises(NotReady, match="rank 0"):
         namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=8,
-                          tcp=f"127.0.0.1:{_free_port()}", secret_file=str(loose))
+                          tcp=f"127.0.0.1:{free_port()}", secret_file=str(loose))
 
 
 def test_replay_guard_forgets_outside_the_window():

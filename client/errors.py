@@ -45,11 +45,13 @@ class ErrorCode(enum.IntEnum):
     RANK_RESTARTED = 303  # the rank restarted since the client addressed it (epoch changed)
     PAUSED = 304  # transfers refused until resume
     CLEARED = 305  # caches released for a weight update; restore and re-register first
+    JOURNAL_FULL = 306  # too many tasks admitted and not yet recorded; retry once some finish
 
     TRANSFER_FAILED = 400  # copy raised on the daemon
     CANCELLED = 401  # cancelled before it started (nothing was copied)
     INTERNAL_ERROR = 402  # the daemon hit an unexpected error on this request (see its log)
     STORAGE_ERROR = 403  # the storage tier (file directory, Redis, ...) is unreachable or failed
+    OUTCOME_UNKNOWN = 404  # a re-sent task whose earlier run cannot be proved complete or absent
 
     RANK_TIMEOUT = 500  # a rank did not answer in time
     BARRIER_TIMEOUT = 501

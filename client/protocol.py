@@ -31,7 +31,12 @@ import numpy as np
 
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, ProtocolError
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 3)
+PROTOCOL_VERSION: tuple[int, int] = (1, 4)
+
+# Bounds on what one message may make a daemon hold (docs/protocol.md section 2).
+MAX_HEADER_BYTES = 1 << 20  # the msgpack header frame
+MAX_BATCH_TASKS = 4096  # tasks in one ``batch`` message; clients split larger batches
+MAX_FRAMES = 1 + 2 * MAX_BATCH_TASKS  # header + two id frames per batch task
 
 # id frame dtypes accepted on the wire (little-endian only, so frames mean the
 # same on every host).
@@ -165,7 +170,7 @@ def _is_type(value: Any, t: type | tuple[type, ...]) -> bool:
     return isinstance(value, t)
 
 
-def decode_request(frames: Sequence[Any], max_header_bytes: int = 1 << 20) -> Request:
+def decode_request(frames: Sequence[Any], max_header_bytes: int = MAX_HEADER_BYTES) -> Request:
     """Parse and check the shape of one request; raise :class:`RequestError` if unusable.
 
     ``frames`` are the frames after the ROUTER identity: buffers or bytes.

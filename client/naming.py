@@ -16,6 +16,7 @@ from pathlib import Path
 from kvswap.client.errors import NamespaceError
 
 _NS_RE = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
+NAMESPACE_RULE = "1-40 characters from [A-Za-z0-9_-]"
 _TENSOR_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # sockaddr_un.sun_path is 108 bytes including the terminating NUL.
 _MAX_IPC_PATH = 107
@@ -41,6 +42,11 @@ def tcp_endpoints(spec: str, tp: int) -> list[str]:
     return [f"tcp://{host}:{int(port) + r}" for r in range(tp)]
 
 
+def is_valid_namespace(namespace: object) -> bool:
+    """Whether ``namespace`` can name a namespace (:data:`NAMESPACE_RULE`)."""
+    return isinstance(namespace, str) and _NS_RE.match(namespace) is not None
+
+
 def check_tensor_name(name: str) -> str:
     if not isinstance(name, str) or not _TENSOR_RE.match(name):
         raise ValueError(
@@ -58,10 +64,8 @@ class Names:
 
     @classmethod
     def of(cls, namespace: str, run_root: str | os.PathLike | None = None) -> "Names":
-        if not isinstance(namespace, str) or not _NS_RE.match(namespace):
-            raise NamespaceError(
-                f"invalid namespace {namespace!r}: use 1-40 characters from [A-Za-z0-9_-]"
-            )
+        if not is_valid_namespace(namespace):
+            raise NamespaceError(f"invalid namespace {namespace!r}: use {NAMESPACE_RULE}")
         root = Path(run_root) if run_root is not None else default_run_root()
         names = cls(namespace, root.absolute())
         longest = names.endpoint_path(9999)

@@ -33,7 +33,7 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -51,19 +51,22 @@ from kvswap.daemon.bench_refs import (
     cpu_seconds,
     measure_latencies_us,
 )
+from kvswap.daemon.config import MAX_RANKS
 from kvswap.daemon.launcher import LaunchConfig, Launcher
+from kvswap.daemon.options import HelpFormatter, at_least, between, value_type
 from kvswap.kernels.planner import plan_copy
 
 
 class _Namespace:
     """A throw-away launched namespace for one measurement."""
 
-    def __init__(self, tp: int, layout: str, host_blocks: int, daemon_args: list[str]):
+    def __init__(self, tp: int, layout: str, host_blocks: int, **options: Any):
+        """``options``: more :class:`LaunchConfig` fields (kvswapd options included)."""
         self.run_root = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
         ns = f"bench-{os.getpid()}-{time.monotonic_ns() % 10**6}"
         self.launcher = Launcher(LaunchConfig(namespace=ns, tp=tp, run_root=self.run_root,
                                               demo_caches=layout, host_blocks=host_blocks,
-                                              daemon_args=daemon_args, log_level="WARNING"))
+                                              log_level="WARNING", **options))
 
     def __enter__(self) -> TransferClient:
         self.launcher.start()
@@ -118,8 +121,8 @@ def _batched(client: TransferClient, n: int, per_batch: int, blocks: int) -> flo
 def bench_tasks(args: argparse.Namespace) -> dict:
     blocks = 4096
     rows = []
-    for label, daemon_args in (("no_merge", ["--no-merge"]), ("merge", [])):
-        with _Namespace(args.tp, TASKS_LAYOUT, blocks, daemon_args) as client:
+    for label, merge in (("no_merge", False), ("merge", True)):
+        with _Namespace(args.tp, TASKS_LAYOUT, blocks, merge=merge) as client:
             _pipelined(client, 500, args.window, blocks)  # warm-up
             rate = statistics.median(_pipelined(client, args.tasks, args.window, blocks)
                                      for _ in range(args.repeat))
@@ -147,7 +150,7 @@ def bench_layerwise(args: argparse.Namespace) -> dict:
     layout = f"layers={layers},block_tokens=16,heads=8,head_dim=128,dtype=float16,blocks=128"
     nblocks = args.blocks
     first, full = [], []
-    with _Namespace(1, layout, 128, []) as client:
+    with _Namespace(1, layout, 128) as client:
         progress = LayerProgress(client.seg, 0)
         try:
             client.evict(list(range(nblocks)), list(range(nblocks))).result(60)
@@ -256,7 +259,7 @@ def _control_row(tp: int, args: argparse.Namespace) -> dict:
     """Measure kvswap, the floor and the baseline at one TP size, interleaved."""
     run_dir = tempfile.mkdtemp(prefix="kvb-ref-", dir="/tmp")
     try:
-        with _Namespace(tp, CONTROL_LAYOUT, CONTROL_BLOCKS, []) as client, \
+        with _Namespace(tp, CONTROL_LAYOUT, CONTROL_BLOCKS) as client, \
                 FloorRef(tp, run_dir, CONTROL_BLOCKS) as floor, \
                 BaselineRef(tp, run_dir, CONTROL_BLOCKS, CONTROL_BLOCK_BYTES) as baseline:
             kvswap = _KvswapControl(client, CONTROL_BLOCKS)
@@ -350,7 +353,7 @@ def _data_rows(block_bytes: int, args: argparse.Namespace) -> list[dict]:
     wall: dict[str, list[float]] = {"memcpy": [], "evict": [], "load": []}
     busy: dict[str, list[float]] = {"evict": [], "load": []}
     runs: list[int] = []
-    with _Namespace(args.tp, _kv_layout(block_bytes, pool), pool, []) as client:
+    with _Namespace(args.tp, _kv_layout(block_bytes, pool), pool) as client:
         every = np.arange(pool)
         client.evict(every, every).result(REPLY_TIMEOUT_S)  # fault in every page once
         client.load(every, every).result(REPLY_TIMEOUT_S)
@@ -633,7 +636,7 @@ def bench_storage(args: argparse.Namespace) -> dict:
         for kind, url in targets:
             samples: dict[str, list[float]] = {k: [] for k in ("backup", "prefetch", "ref_w",
                                                              "ref_r")}
-            with _Namespace(1, STORAGE_LAYOUT, n, ["--storage", url]) as client:
+            with _Namespace(1, STORAGE_LAYOUT, n, storage_url=url) as client:
                 client.evict(list(range(min(n, 32))), list(range(min(n, 32)))).result(60)
                 for rnd in range(args.repeat + 1):
                     keys = block_hashes(list(range(rnd * 10**6, rnd * 10**6 + 16 * n)), 16)
@@ -674,49 +677,70 @@ def bench_storage(args: argparse.Namespace) -> dict:
     return {"storage": rows}
 
 
+_COUNT = value_type(int, at_least(1))
+_TP = value_type(int, between(1, MAX_RANKS))
+
+
 def _args_storage(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--blocks", type=int, default=128, help="blocks per backup / prefetch")
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--dir", default=None, help="where the file store lives (default /tmp)")
+    p.add_argument("--blocks", type=_COUNT, default=128, metavar="N",
+                   help="blocks per backup / prefetch")
+    p.add_argument("--repeat", type=_COUNT, default=5, metavar="N",
+                   help="measurements per figure (the median is reported)")
+    p.add_argument("--dir", default=None, metavar="DIR",
+                   help="where the file store's temporary directory goes (default: the system's "
+                        "temporary directory)")
     p.add_argument("--cold", action="store_true",
                    help="file store: drop the store's and the reference's files from the page "
                         "cache before reading (the data a storage tier holds is not in memory)")
     p.add_argument("--redis", default=None, metavar="URL|auto",
                    help="also measure Redis at URL, or 'auto' to start a throw-away "
-                        "redis-server")
+                        "redis-server (default: file store only)")
 
 
 def _args_tasks(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--tasks", type=int, default=5000)
-    p.add_argument("--window", type=int, default=256, help="tasks in flight")
-    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--tp", type=_TP, default=1, metavar="N", help="number of ranks")
+    p.add_argument("--tasks", type=_COUNT, default=5000, metavar="N",
+                   help="tasks per measurement")
+    p.add_argument("--window", type=_COUNT, default=256, metavar="N", help="tasks in flight")
+    p.add_argument("--repeat", type=_COUNT, default=3, metavar="N",
+                   help="measurements per figure (the median is reported)")
 
 
 def _args_layerwise(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--blocks", type=int, default=32, help="blocks per load")
-    p.add_argument("--repeat", type=int, default=15)
+    p.add_argument("--layers", type=_COUNT, default=32, metavar="N",
+                   help="layers of the simulated cache")
+    p.add_argument("--blocks", type=_COUNT, default=32, metavar="N", help="blocks per load")
+    p.add_argument("--repeat", type=_COUNT, default=15, metavar="N",
+                   help="loads measured (the median is reported)")
 
 
 def _args_control(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=_int_list, default=[1, 2], help="TP sizes, e.g. 1,2,4")
-    p.add_argument("--rounds", type=int, default=5,
+    p.add_argument("--tp", type=_int_list, default=[1, 2], metavar="N,...",
+                   help="TP sizes, e.g. 1,2,4 (default: 1,2)")
+    p.add_argument("--rounds", type=_COUNT, default=5, metavar="N",
                    help="rounds; each measures every system once, in rotating order")
-    p.add_argument("--samples", type=int, default=200, help="round trips per system and round")
-    p.add_argument("--tasks", type=int, default=1000,
+    p.add_argument("--samples", type=_COUNT, default=200, metavar="N",
+                   help="round trips per system and round")
+    p.add_argument("--tasks", type=_COUNT, default=1000, metavar="N",
                    help="pipelined tasks per system and round")
-    p.add_argument("--window", type=int, default=64, help="pipelined tasks in flight")
-    p.add_argument("--warmup", type=int, default=100, help="untimed round trips first")
+    p.add_argument("--window", type=_COUNT, default=64, metavar="N",
+                   help="pipelined tasks in flight")
+    p.add_argument("--warmup", type=value_type(int, at_least(0)), default=100, metavar="N",
+                   help="untimed round trips first")
 
 
 def _args_data(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", type=_block_sizes, default=list(DATA_SIZES),
-                   help="bytes per block and tensor (multiples of 4096), e.g. 4096,65536")
-    p.add_argument("--mib", type=int, default=64, help="MiB moved per task and rank")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0, help="seed of the random block sets")
+    p.add_argument("--sizes", type=_block_sizes, default=list(DATA_SIZES), metavar="BYTES,...",
+                   help="bytes per block and tensor (multiples of 4096), e.g. 4096,65536 "
+                        f"(default: {','.join(map(str, DATA_SIZES))})")
+    p.add_argument("--mib", type=_COUNT, default=64, metavar="N",
+                   help="MiB moved per task and rank")
+    p.add_argument("--tp", type=_TP, default=1, metavar="N", help="number of ranks")
+    p.add_argument("--rounds", type=_COUNT, default=5, metavar="N",
+                   help="rounds per block size; each times the reference copy, an evict and a "
+                        "load, in rotating order")
+    p.add_argument("--seed", type=int, default=0, metavar="N",
+                   help="seed of the random block sets")
 
 
 SCENARIOS["tasks"] = (_args_tasks, bench_tasks, "tasks/s of small tasks: merging, batching")
@@ -732,17 +756,19 @@ SCENARIOS["data"] = (_args_data, bench_data,
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    bp = sub.add_parser("bench", help="benchmarks against baselines measured in the same run")
+    bp = sub.add_parser("bench", help="benchmarks against baselines measured in the same run",
+                        formatter_class=HelpFormatter)
     bsub = bp.add_subparsers(dest="scenario", required=True)
     for name, (add_args, _, help_text) in SCENARIOS.items():
-        sp = bsub.add_parser(name, help=help_text)
+        sp = bsub.add_parser(name, help=help_text, formatter_class=HelpFormatter)
         add_args(sp)
         sp.add_argument("--json", action="store_true", help="print one JSON object")
         if name in PLOTS:
             sp.add_argument("--plot", metavar="FILE.png", default=None,
                             help="also draw the result as a small PNG (needs matplotlib)")
     gp = bsub.add_parser("gpu", help="run scripts/bench_gpu.py (needs cupy and a CUDA device; "
-                                     "exit status 2 without one)")
+                                     "exit status 2 without one)",
+                         formatter_class=HelpFormatter)
     gp.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -23,11 +23,13 @@ from typing import Sequence
 
 import numpy as np
 
-from kvswap.client.layout import TensorDesc, demo_layout, parse_demo_layout
+from kvswap.client.layout import DEMO_LAYOUT_HELP, TensorDesc, demo_layout, parse_demo_layout
 from kvswap.client.naming import Names
 from kvswap.client.shm_region import ShmRegion
 from kvswap.client.transfer_client import TransferClient, TransferFuture
+from kvswap.daemon.config import host_blocks_option, layout_problem, run_root_option, tp_option
 from kvswap.daemon.launcher import LaunchConfig, Launcher
+from kvswap.daemon.options import Options, at_least, option
 from kvswap.daemon.swap_space import SwapLayout
 
 _M1 = np.uint64(0x9E3779B97F4A7C15)
@@ -45,17 +47,22 @@ def pattern(rank: int, tensor: int, tags: np.ndarray, words: int) -> np.ndarray:
 
 
 @dataclass
-class DemoConfig:
-    tp: int = 2
-    tasks: int = 600
-    threads: int = 4
-    max_blocks: int = 12
-    window: int = 4
-    host_blocks: int = 256
-    layout: str = ""
-    seed: int = 0
-    run_root: str | None = None
-    namespace: str | None = None
+class DemoConfig(Options):
+    """demo"""
+
+    tp: int = tp_option(2)
+    tasks: int = option(600, flag="--tasks", parse=int, check=at_least(1),
+                        help="evict and load tasks to run, spread over the threads")
+    threads: int = option(4, flag="--threads", parse=int, check=at_least(1),
+                          help="client threads submitting tasks, each on its own blocks")
+    max_blocks: int = 12  # most blocks per task
+    window: int = 4  # tasks in flight per thread
+    host_blocks: int = host_blocks_option(256)
+    layout: str = option("", flag="--layout", metavar="LAYOUT", check=layout_problem,
+                         default_text="the default layout", help=DEMO_LAYOUT_HELP)
+    seed: int = option(0, flag="--seed", parse=int, help="seed of the random block sets")
+    run_root: str | None = run_root_option()
+    namespace: str | None = None  # None: demo-<pid>
 
 
 @dataclass

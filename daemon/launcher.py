@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -26,7 +25,7 @@ import posix_ipc
 import zmq
 
 from kvswap.client.errors import ErrorCode, KvswapError, NamespaceError, NotReady, RankTimeout
-from kvswap.client.naming import Names, tcp_endpoints
+from kvswap.client.naming import Names
 from kvswap.client.protocol import Op, encode_request
 from kvswap.client.signals import (
     H,
@@ -39,32 +38,11 @@ from kvswap.client.signals import (
     poll_until,
     unlink_semaphores,
 )
-
-from kvswap.daemon.supervisor import Supervisor, SupervisorConfig
+from kvswap.daemon.config import DaemonConfig, LaunchConfig
+from kvswap.daemon.options import to_argv
+from kvswap.daemon.supervisor import Supervisor
 
 log = logging.getLogger("kvswap.launcher")
-
-
-@dataclass
-class LaunchConfig:
-    namespace: str
-    tp: int
-    backend: str = "host"
-    host_blocks: int = 1024
-    devices: list[int] | None = None
-    run_root: str | None = None
-    demo_caches: str | None = None  # layout spec ("" = default layout); None = wait for workers
-    log_dir: str | None = None  # default: the run dir (removed at teardown)
-    ready_timeout_s: float = 600.0
-    stop_timeout_s: float = 10.0
-    daemon_args: list[str] = field(default_factory=list)  # extra kvswapd flags
-    log_level: str = "INFO"
-    supervision: SupervisorConfig = field(default_factory=SupervisorConfig)
-    engine_timeout_s: float = 60.0  # engine heartbeat seen, then silent this long: tear down
-    tcp: str | None = None  # "HOST:BASEPORT": rank r also listens on tcp://HOST:BASEPORT+r
-    secret_file: str | None = None  # required with tcp
-    storage_url: str | None = None  # storage tier for every rank (docs/storage.md)
-    model_id: str = "default"
 
 
 def log_tail(path: Path, lines: int = 15) -> str:
@@ -97,16 +75,7 @@ def sweep_namespace(names: Names) -> list[str]:
 
 class Launcher:
     def __init__(self, cfg: LaunchConfig):
-        if cfg.tp < 1:
-            raise ValueError(f"--tp must be >= 1, got {cfg.tp}")
-        if cfg.host_blocks < 1:
-            raise ValueError(f"--host-blocks must be >= 1, got {cfg.host_blocks}")
-        if cfg.tcp is not None:
-            tcp_endpoints(cfg.tcp, cfg.tp)
-            if not cfg.secret_file:
-                raise ValueError("--tcp needs --secret-file")
-        if cfg.devices is not None and len(cfg.devices) != cfg.tp:
-            raise ValueError(f"--devices names {len(cfg.devices)} devices for --tp {cfg.tp}")
+        # cfg validated itself when it was built (kvswap.daemon.config).
         self.cfg = cfg
         self.names = Names.of(cfg.namespace, cfg.run_root)
         self.log_dir = Path(cfg.log_dir) if cfg.log_dir else self.names.run_dir
@@ -155,22 +124,14 @@ class Launcher:
         log.info("namespace %s: started %d daemon(s), logs in %s", self.names.namespace,
                  self.cfg.tp, self.log_dir)
 
+    def daemon_config(self, rank: int) -> DaemonConfig:
+        """What rank ``rank``'s daemon runs with: the launch options, this run root."""
+        return self.cfg.daemon_config(rank, str(self.names.run_root))
+
     def daemon_command(self, rank: int) -> list[str]:
-        c = self.cfg
-        cmd = [sys.executable, "-m", "kvswap.daemon", "--namespace", c.namespace,
-               "--rank", str(rank), "--tp", str(c.tp), "--backend", c.backend,
-               "--run-root", str(self.names.run_root), "--host-blocks", str(c.host_blocks),
-               "--log-level", c.log_level]
-        if c.devices is not None:
-            cmd += ["--device", str(c.devices[rank])]
-        if c.demo_caches is not None:
-            cmd += ["--demo-caches", c.demo_caches] if c.demo_caches else ["--demo-caches"]
-        if c.storage_url is not None:
-            cmd += ["--storage", c.storage_url, "--model-id", c.model_id]
-        if c.tcp is not None:
-            cmd += ["--listen-tcp", tcp_endpoints(c.tcp, c.tp)[rank],
-                    "--secret-file", str(c.secret_file)]
-        return cmd + list(c.daemon_args)
+        """kvswapd's command line, written from :meth:`daemon_config` by the same
+        declarations kvswapd parses it with."""
+        return [sys.executable, "-m", "kvswap.daemon", *to_argv(self.daemon_config(rank))]
 
     def _spawn(self, rank: int) -> subprocess.Popen:
         logf = open(self.names.log_path(rank, self.log_dir), "ab")

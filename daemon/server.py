@@ -78,6 +78,7 @@ from kvswap.client.signals import (
 )
 from kvswap.daemon.agreement import Agreement
 from kvswap.daemon.backend import Backend, make_backend
+from kvswap.daemon.config import DaemonConfig
 from kvswap.daemon.scheduler import LANES, Scheduler, Task, TaskState, concat_ids
 from kvswap.daemon.state import StateMachine
 from kvswap.daemon.swap_space import HostSwapSpace
@@ -98,34 +99,6 @@ def _leading(flags: list[bool]) -> int:
 _LIVE_STATES = frozenset({RankState.STARTING, RankState.ATTACHING, RankState.READY,
                           RankState.PAUSED, RankState.CLEARING, RankState.CLEARED,
                           RankState.STOPPING})
-
-
-@dataclass
-class DaemonConfig:
-    namespace: str
-    rank: int
-    tp_size: int
-    backend: str = "host"
-    run_root: str | None = None
-    host_blocks: int = 1024
-    demo_caches: str | None = None  # demo layout spec ("" = defaults); None = wait for a worker
-    attach_timeout_s: float = 300.0  # start-up barrier: all ranks attached
-    heartbeat_interval_s: float = 0.1
-    stale_after_s: float = 5.0
-    max_message_bytes: int = 64 << 20
-    device: int | None = None
-    workers: int = 2  # transfer worker threads
-    merge: bool = True  # merge independent queued tasks of one direction
-    max_merge_blocks: int = 4096
-    inline_max_bytes: int = 256 << 10  # ready tasks up to this size may run on the I/O thread
-    orphan_timeout_s: float = 30.0  # launcher gone + engine silent this long: exit
-    listen_tcp: str | None = None  # optional tcp://host:port listener (signed traffic only)
-    secret_file: str | None = None  # shared secret for the tcp listener
-    replay_window_s: float = 60.0
-    storage_url: str | None = None  # storage tier (file:///dir, redis://...); None = none
-    model_id: str = "default"  # part of every stored entry's name (with the layout hash)
-    storage_timeout_s: float = 30.0  # cross-rank agreement of a prefetch
-    drain_timeout_s: float = 60.0  # clear: wait this long for accepted tasks to finish
 
 
 @dataclass(frozen=True)

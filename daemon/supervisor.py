@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvswap.client.signals import R, RankState, SignalSegment
+from kvswap.daemon.options import Options, at_least, option, positive
 
 log = logging.getLogger("kvswap.supervisor")
 
@@ -49,11 +50,19 @@ class RankProcess:
 
 
 @dataclass
-class SupervisorConfig:
-    max_retries: int = 5
+class SupervisorConfig(Options):
+    """restarts of dead or silent daemons"""
+
+    max_retries: int = option(
+        5, flag="--max-restarts", parse=int, check=at_least(0),
+        help="consecutive failed restarts of a rank before it is FATAL and the namespace is "
+             "torn down (0: never restart)")
     backoff_s: float = 0.5
     backoff_max_s: float = 30.0
-    stale_after_s: float = 10.0
+    stale_after_s: float = option(
+        10.0, flag="--restart-stale-after", parse=float, check=positive,
+        help="a daemon whose heartbeat is older than this many seconds is killed (SIGKILL) "
+             "and restarted (not kvswapd's --stale-after, which aborts barriers)")
     reset_after_s: float = 60.0
 
 

@@ -267,7 +267,7 @@ def test_orphaned_daemons_exit_cleanly(run_root):
     launch = subprocess.Popen([sys.executable, "-m", "kvswap.daemon.cli", "launch", "--namespace",
                                names.namespace, "--run-root", run_root, "--tp", "2", "--demo-caches",
                                f"{LAYOUT}", "--host-blocks", "8",
-                               "--daemon-args", "--orphan-timeout 1"],
+                               "--orphan-timeout", "1"],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         for line in launch.stdout:  # progress lines, then "... READY on 2 rank(s)"

@@ -72,7 +72,7 @@ def _rss_kib(pid: int) -> int:
 
 def test_fuzz_daemon_socket(namespaces):
     launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=32,
-                                 daemon_args=["--max-message-bytes", str(MAX_MESSAGE)])
+                                 max_message_bytes=MAX_MESSAGE)
     pid = launcher.procs[0].pid
     ctx = zmq.Context(1)
     sock = ctx.socket(zmq.DEALER)

@@ -1,0 +1,294 @@
+"""The options of ``kvswapd`` and ``kvswap launch``, each declared once.
+
+    NamespaceOptions     --namespace --run-root        (also kvswap status / metrics)
+      DaemonOptions      every kvswapd option that is the same on every rank
+        DaemonConfig     + --rank --tp --device --listen-tcp: one kvswapd
+        LaunchConfig     + --tp --devices --tcp, timeouts, restart policy: kvswap launch
+
+``LaunchConfig`` extends ``DaemonOptions``, so every rank-independent kvswapd
+option is also a ``kvswap launch`` flag, and :meth:`LaunchConfig.daemon_config`
+derives each rank's ``DaemonConfig`` from it; the launcher writes that config
+as kvswapd's command line with :func:`~kvswap.daemon.options.to_argv`, which
+kvswapd parses back to an equal config.  The per-rank options are the ones the
+launcher computes: ``--rank``, ``--device`` (from ``--devices``) and
+``--listen-tcp`` (from ``--tcp``).
+
+The parsers, help texts and the flag tables of docs/operations.md are generated
+from these fields (:mod:`kvswap.daemon.options`); after a change here,
+``python -m kvswap.daemon.config docs/operations.md`` rewrites the tables
+(tests/test_config.py holds them equal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+from typing import Any
+
+from kvswap.client.layout import DEMO_LAYOUT_HELP, parse_demo_layout
+from kvswap.client.naming import NAMESPACE_RULE, is_valid_namespace, tcp_endpoints
+from kvswap.daemon.options import (
+    Options,
+    at_least,
+    between,
+    markdown_table,
+    nested,
+    non_negative,
+    option,
+    positive,
+)
+from kvswap.daemon.supervisor import SupervisorConfig
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MAX_RANKS = 1024  # what one signal segment holds (SignalSegment.create)
+
+
+def _namespace_problem(name: str) -> str | None:
+    return None if is_valid_namespace(name) else f"must be {NAMESPACE_RULE}, got {name!r}"
+
+
+def layout_problem(spec: str) -> str | None:
+    try:
+        parse_demo_layout(spec)
+    except (ValueError, TypeError) as exc:
+        return f"is not a valid LAYOUT: {exc}"
+    return None
+
+
+def _listen_problem(url: str) -> str | None:
+    return None if url.startswith("tcp://") else f"must be a tcp://HOST:PORT address, got {url!r}"
+
+
+def _tcp_problem(spec: str) -> str | None:
+    try:
+        tcp_endpoints(spec, 1)
+    except ValueError:
+        return f"must be HOST:BASEPORT with BASEPORT from 1 to 65534, got {spec!r}"
+    return None
+
+
+def _devices(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"expects a list of GPU ordinals like 0,1, got {text!r}") from None
+
+
+def _devices_problem(devices: list[int]) -> str | None:
+    if not devices or any(d < 0 for d in devices):
+        return f"must list one GPU ordinal >= 0 per rank, got {devices}"
+    return None
+
+
+# Options that several commands declare, with their own default where it differs.
+
+def tp_option(default: Any = MISSING) -> Any:
+    """``--tp`` (kvswapd, kvswap launch, kvswap demo)."""
+    return option(default, flag="--tp",
+                  help=f"number of ranks (tensor-parallel size), 1 to {MAX_RANKS}",
+                  parse=int, check=between(1, MAX_RANKS))
+
+
+def host_blocks_option(default: int) -> Any:
+    """``--host-blocks`` (kvswapd and kvswap launch, kvswap demo)."""
+    return option(default, flag="--host-blocks", parse=int, check=at_least(1),
+                  help="blocks of host swap space per cache tensor and rank")
+
+
+def run_root_option() -> Any:
+    """``--run-root`` (every command that finds a namespace)."""
+    return option(
+        None, flag="--run-root", metavar="DIR",
+        help="parent of the namespace's run dir <run_root>/<ns>/ (sockets, logs); every "
+             "process of a namespace must resolve the same one",
+        default_text="$KVSWAP_RUN_ROOT, else $XDG_RUNTIME_DIR/kvswap, else /tmp/kvswap-<uid>")
+
+
+@dataclass(kw_only=True)
+class NamespaceOptions(Options):
+    """namespace"""
+
+    namespace: str = option(
+        flag="--namespace", metavar="NS", check=_namespace_problem,
+        help=f"name of one engine instance, owning its shm objects and run dir: {NAMESPACE_RULE}")
+    run_root: str | None = run_root_option()
+
+
+@dataclass(kw_only=True)
+class DaemonOptions(NamespaceOptions):
+    """kvswapd options (kvswap launch passes them to every rank's daemon)"""
+
+    backend: str = option(
+        "host", flag="--backend", choices=("host", "cuda"),
+        help="host: simulated device in shared memory, no GPU; cuda: real GPUs through cupy")
+    host_blocks: int = host_blocks_option(1024)
+    demo_caches: str | None = option(  # "" = the default layout; None = wait for a worker
+        None, flag="--demo-caches", metavar="LAYOUT", const="", check=layout_problem,
+        default_text="off: wait for a CacheWorker",
+        help="create simulated caches instead of waiting for a CacheWorker to register; "
+             "without LAYOUT the default layout. LAYOUT: " + DEMO_LAYOUT_HELP)
+    attach_timeout_s: float = option(
+        300.0, flag="--attach-timeout", parse=float, check=positive,
+        help="seconds the start-up barrier (every rank attached its caches) and the clear "
+             "barrier wait for all ranks")
+    heartbeat_interval_s: float = option(
+        0.1, flag="--heartbeat-interval", parse=float, check=positive,
+        help="seconds between two heartbeats of a daemon in the signal segment")
+    stale_after_s: float = option(
+        5.0, flag="--stale-after", parse=float, check=positive,
+        help="a rank whose heartbeat is older than this many seconds aborts the barriers and "
+             "storage agreements the other ranks wait in, instead of leaving them to time out "
+             "(not a restart: that is kvswap launch --restart-stale-after)")
+    max_message_bytes: int = option(
+        64 << 20, flag="--max-message-bytes", parse=int, check=at_least(1),
+        default_text="67108864 (64 MiB)",
+        help="ZMQ MAXMSGSIZE of the rank's sockets, per frame; a larger frame is dropped "
+             "without a reply")
+    workers: int = option(
+        2, flag="--workers", parse=int, check=at_least(1),
+        help="transfer worker threads per rank (independent evicts and loads run concurrently)")
+    merge: bool = option(
+        True, flag="--no-merge", default_text="off: merging on",
+        help="never merge independent queued tasks into one copy pass")
+    max_merge_blocks: int = option(
+        4096, flag="--max-merge-blocks", parse=int, check=at_least(1),
+        help="most blocks one merged copy pass may carry")
+    inline_max_bytes: int = option(
+        256 << 10, flag="--inline-max-bytes", parse=int, check=non_negative,
+        help="a ready task of at most this many bytes, with nothing else queued, is copied on "
+             "the I/O thread, skipping two thread hand-offs (0 disables)")
+    orphan_timeout_s: float = option(
+        30.0, flag="--orphan-timeout", parse=float, check=positive,
+        help="exit when the launcher is gone and the engine heartbeat has been silent (or "
+             "absent) this many seconds")
+    secret_file: str | None = option(
+        None, flag="--secret-file", metavar="FILE", default_text="none",
+        help="shared secret (mode 0600, >= 16 bytes) that signs every message on tcp:// "
+             "(kvswapd --listen-tcp, kvswap launch --tcp)")
+    replay_window_s: float = option(
+        60.0, flag="--replay-window", parse=float, check=positive,
+        help="a signed tcp:// request must be this many seconds fresh; a replay inside the "
+             "window is refused")
+    storage_url: str | None = option(
+        None, flag="--storage", metavar="URL", default_text="none",
+        help="storage tier behind the host swap space: file:///DIR[?capacity_bytes=N] or "
+             "redis://HOST:PORT/DB (docs/storage.md)")
+    model_id: str = option(
+        "default", flag="--model-id", metavar="ID",
+        help="model identity mixed into every stored entry's name (with the cache layout), "
+             "so two models never share entries")
+    storage_timeout_s: float = option(
+        30.0, flag="--storage-timeout", parse=float, check=positive,
+        help="seconds a prefetch waits for the other ranks to agree")
+    drain_timeout_s: float = option(
+        60.0, flag="--drain-timeout", parse=float, check=positive,
+        help="seconds a clear waits for accepted tasks to finish")
+    log_level: str = option(
+        "INFO", flag="--log-level", parse=str.upper, choices=LOG_LEVELS,
+        help="daemon log level")
+
+
+@dataclass(kw_only=True)
+class DaemonConfig(DaemonOptions):
+    """this rank (kvswap launch sets these for each rank)"""
+
+    rank: int = option(flag="--rank", parse=int, check=at_least(0),
+                       help="the rank this daemon serves, from 0 to --tp minus 1")
+    tp_size: int = tp_option()
+    device: int | None = option(
+        None, flag="--device", parse=int, check=at_least(0), default_text="none",
+        help="GPU ordinal (cuda backend; kvswap launch takes it from --devices)")
+    listen_tcp: str | None = option(
+        None, flag="--listen-tcp", metavar="tcp://HOST:PORT", check=_listen_problem,
+        default_text="none: ipc:// only",
+        help="also accept requests on this address; every message on it must be HMAC-SHA256 "
+             "signed with --secret-file (kvswap launch takes it from --tcp)")
+
+
+@dataclass(kw_only=True)
+class LaunchConfig(DaemonOptions):
+    """launcher (kvswap launch only)"""
+
+    tp: int = tp_option()
+    devices: list[int] | None = option(
+        None, flag="--devices", metavar="0,1,...", parse=_devices, check=_devices_problem,
+        format=lambda ds: ",".join(map(str, ds)), default_text="none",
+        help="GPU ordinal of each rank, --tp of them (kvswapd --device; cuda backend)")
+    tcp: str | None = option(
+        None, flag="--tcp", metavar="HOST:BASEPORT", check=_tcp_problem,
+        default_text="none: ipc:// only",
+        help="rank r also listens on tcp://HOST:BASEPORT+r, accepting only HMAC-SHA256 signed "
+             "messages (kvswapd --listen-tcp; needs --secret-file)")
+    log_dir: str | None = option(
+        None, flag="--log-dir", metavar="DIR", default_text="the run dir, removed at teardown",
+        help="where the per-rank logs rank<r>.log go")
+    ready_timeout_s: float = option(
+        600.0, flag="--ready-timeout", parse=float, check=positive,
+        help="seconds to wait for every rank to be READY")
+    stop_timeout_s: float = option(
+        10.0, flag="--stop-timeout", parse=float, check=positive,
+        help="deadline in seconds of the staged stop: shutdown message, SIGTERM at 50%%, "
+             "SIGKILL at 80%%")
+    engine_timeout_s: float = option(
+        60.0, flag="--engine-timeout", parse=float, check=non_negative,
+        help="once the engine has beaten, tear everything down if it stays silent this many "
+             "seconds (0: never)")
+    supervision: SupervisorConfig = nested(SupervisorConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tcp is not None:
+            try:
+                tcp_endpoints(self.tcp, self.tp)
+            except ValueError:  # the format passed: the last rank's port is out of range
+                raise ValueError(f"--tcp {self.tcp}: BASEPORT + --tp must be at most 65535, "
+                                 f"one port per rank") from None
+            if not self.secret_file:
+                raise ValueError("--tcp needs --secret-file")
+        if self.devices is not None and len(self.devices) != self.tp:
+            raise ValueError(f"--devices names {len(self.devices)} devices for --tp {self.tp}")
+
+    def daemon_config(self, rank: int, run_root: str) -> DaemonConfig:
+        """Rank ``rank``'s daemon: every shared option as launched, ``run_root`` resolved."""
+        shared = {f.name: getattr(self, f.name) for f in fields(DaemonOptions)}
+        return DaemonConfig(
+            **{**shared, "run_root": run_root}, rank=rank, tp_size=self.tp,
+            device=None if self.devices is None else self.devices[rank],
+            listen_tcp=None if self.tcp is None else tcp_endpoints(self.tcp, self.tp)[rank])
+
+
+def operations_tables() -> dict[str, str]:
+    """The generated flag tables of docs/operations.md, by marker name."""
+    def taken_by(cls: type) -> str:
+        if cls is DaemonConfig:
+            return "`kvswapd`"
+        if cls is NamespaceOptions:
+            return "`kvswap launch`, `kvswapd`, `kvswap status`, `kvswap metrics`"
+        if cls is DaemonOptions:
+            return "`kvswap launch`, `kvswapd`"
+        return "`kvswap launch`"
+
+    return {
+        "launch-flags": markdown_table([NamespaceOptions, LaunchConfig], taken_by),
+        "daemon-flags": markdown_table([DaemonOptions, DaemonConfig], taken_by),
+    }
+
+
+def fill_generated(text: str) -> str:
+    """``text`` (docs/operations.md) with each generated table replaced by the current
+    one: the lines between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``."""
+    for name, table in operations_tables().items():
+        begin, end = f"<!-- generated: {name} -->\n", f"<!-- end: {name} -->"
+        head, found, rest = text.partition(begin)
+        if not found or end not in rest:
+            raise ValueError(f"no '{begin.strip()}' ... '{end}' block")
+        text = head + begin + table + "\n" + rest[rest.index(end):]
+    return text
+
+
+if __name__ == "__main__":
+    # python -m kvswap.daemon.config docs/operations.md: rewrite its flag tables.
+    import sys
+    from pathlib import Path
+
+    doc = Path(sys.argv[1])
+    doc.write_text(fill_generated(doc.read_text()))

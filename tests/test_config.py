@@ -1,0 +1,272 @@
+"""Options declared once: help and defaults of every flag, the launcher's kvswapd
+command line, up-front validation, the generated docs tables, --version."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import kvswap.client
+from kvswap.daemon import cli
+from kvswap.daemon import main as kvswapd
+from kvswap.daemon.config import (
+    DaemonConfig,
+    DaemonOptions,
+    LaunchConfig,
+    NamespaceOptions,
+    fill_generated,
+)
+from kvswap.daemon.launcher import Launcher
+from kvswap.daemon.options import from_args
+from kvswap.daemon.supervisor import SupervisorConfig
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+# ------------------------------------------------------------------ help
+
+def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(argv prefix, parser) of the command and of every subcommand, recursively."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _commands(sub, path + (name,))
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    """Option string -> its help text, read from argparse's --help output."""
+    entries: list[list[str]] = []  # [invocation, help] per option
+    open_entry = False
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            invocation, _, help_start = line.strip().partition("  ")
+            entries.append([invocation, help_start.strip()])
+            open_entry = True
+        elif open_entry and line.startswith("   "):
+            entries[-1][1] += " " + line.strip()
+        else:
+            open_entry = False
+    out = {}
+    for invocation, help_text in entries:
+        for spelling in invocation.split(", "):
+            out[spelling.split()[0]] = " ".join(help_text.split())
+    return out
+
+
+def _all_help(capsys, main, parser):
+    for path, sub in _commands(parser):
+        with pytest.raises(SystemExit) as ei:
+            main([*path, "--help"])
+        assert ei.value.code == 0
+        yield path, sub, _help_entries(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("which", ["kvswap", "kvswapd"])
+def test_every_option_has_help_and_shows_its_default(which, capsys):
+    main, parser = ((cli.main, cli.build_parser()) if which == "kvswap"
+                    else (kvswapd.main, kvswapd.build_parser()))
+    checked = 0
+    for path, sub, entries in _all_help(capsys, main, parser):
+        for action in sub._actions:
+            if not action.option_strings or action.default is argparse.SUPPRESS:
+                continue  # subcommand choices, --help, --version
+            flag = action.option_strings[-1]
+            where = f"{which} {' '.join(path)} {flag}"
+            assert flag in entries, f"{where} is missing from --help"
+            text = entries[flag]
+            m = re.fullmatch(r"(.*\S)\s+\((default: (.+)|required)\)", text)
+            assert m, f"{where}: help {text!r} does not end with its default or (required)"
+            assert m.group(1).strip(), f"{where} has no help text"
+            assert action.required == (m.group(2) == "required"), where
+            if isinstance(action.default, (int, float, str)) and action.nargs != 0 \
+                    and not isinstance(action.default, bool):
+                assert str(action.default) in m.group(3), f"{where}: default not shown: {text!r}"
+            checked += 1
+    assert checked >= (60 if which == "kvswap" else 25)
+
+
+def test_launch_help_tells_the_two_stale_thresholds_apart(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["launch", "--help"])
+    entries = _help_entries(capsys.readouterr().out)
+    assert "aborts the barriers" in entries["--stale-after"]
+    assert "(default: 5.0)" in entries["--stale-after"]
+    assert "killed (SIGKILL) and restarted" in entries["--restart-stale-after"]
+    assert "(default: 10.0)" in entries["--restart-stale-after"]
+    assert "--daemon-args" not in entries
+
+
+# ------------------------------------------------------------------ launcher -> kvswapd
+
+# A value different from the default for every rank-independent kvswapd option,
+# with the awkward ones a command line must survive (a leading '-', spaces, '=').
+NON_DEFAULT = {
+    "run_root": "/tmp/kvs config/root",
+    "backend": "cuda",
+    "host_blocks": 77,
+    "demo_caches": "layers=2,heads=2",
+    "attach_timeout_s": 12.5,
+    "heartbeat_interval_s": 0.025,
+    "stale_after_s": 2.0,
+    "max_message_bytes": 1 << 20,
+    "workers": 3,
+    "merge": False,
+    "max_merge_blocks": 17,
+    "inline_max_bytes": 0,
+    "orphan_timeout_s": 1e-3,
+    "secret_file": "/tmp/my secret",
+    "replay_window_s": 5.0,
+    "storage_url": "file:///tmp/store?capacity_bytes=1G",
+    "model_id": "-m llama=3",
+    "storage_timeout_s": 4.0,
+    "drain_timeout_s": 6.0,
+    "log_level": "DEBUG",
+}
+
+
+def _parse_kvswapd(argv: list[str]) -> DaemonConfig:
+    return from_args(DaemonConfig, kvswapd.build_parser().parse_args(argv))
+
+
+def test_launcher_daemon_command_round_trips_to_an_equal_daemon_config():
+    shared = {f.name for f in dataclasses.fields(DaemonOptions)} - {"namespace"}
+    assert set(NON_DEFAULT) == shared, "give every kvswapd option a non-default test value"
+    for name, value in NON_DEFAULT.items():
+        assert value != next(f for f in dataclasses.fields(DaemonOptions)
+                             if f.name == name).default, name
+    launcher = Launcher(LaunchConfig(namespace="rt", tp=2, devices=[3, 5], tcp="127.0.0.1:7100",
+                                     **NON_DEFAULT))
+    for rank in range(2):
+        cmd = launcher.daemon_command(rank)
+        assert cmd[:3] == [sys.executable, "-m", "kvswap.daemon"]
+        parsed = _parse_kvswapd(cmd[3:])
+        assert parsed == DaemonConfig(namespace="rt", rank=rank, tp_size=2, device=[3, 5][rank],
+                                      listen_tcp=f"tcp://127.0.0.1:{7100 + rank}", **NON_DEFAULT)
+        assert parsed == launcher.daemon_config(rank)
+
+
+def test_default_daemon_command_is_short_and_round_trips(run_root):
+    launcher = Launcher(LaunchConfig(namespace="rt", tp=1, run_root=run_root))
+    cmd = launcher.daemon_command(0)
+    assert cmd[3:] == ["--namespace=rt", f"--run-root={run_root}", "--rank=0", "--tp=1"]
+    assert _parse_kvswapd(cmd[3:]) == DaemonConfig(namespace="rt", run_root=run_root,
+                                                   rank=0, tp_size=1)
+
+
+def _launch_config(argv: list[str]) -> LaunchConfig:
+    args = cli.build_parser().parse_args(["launch", *argv])
+    return args.make_config(args)
+
+
+def test_kvswapd_options_are_first_class_launch_flags():
+    cfg = _launch_config(["--namespace", "ns", "--tp", "2", "--workers", "4", "--no-merge",
+                          "--orphan-timeout", "1", "--stale-after", "7", "--restart-stale-after",
+                          "2.5", "--max-restarts", "0", "--log-level", "debug",
+                          "--max-message-bytes", "1048576"])
+    assert cfg == LaunchConfig(namespace="ns", tp=2, workers=4, merge=False, orphan_timeout_s=1.0,
+                               stale_after_s=7.0, log_level="DEBUG", max_message_bytes=1 << 20,
+                               supervision=SupervisorConfig(max_retries=0, stale_after_s=2.5))
+    daemon = Launcher(cfg).daemon_config(1)
+    assert (daemon.workers, daemon.merge, daemon.orphan_timeout_s, daemon.stale_after_s,
+            daemon.log_level, daemon.max_message_bytes) == (4, False, 1.0, 7.0, "DEBUG", 1 << 20)
+
+
+# ------------------------------------------------------------------ validation
+
+BAD = [
+    ("kvswapd", ["--log-level", "LOUD"], ["--log-level", "'DEBUG'", "'CRITICAL'"]),
+    ("kvswapd", ["--rank", "-1"], ["--rank", "must be >= 0"]),
+    ("kvswapd", ["--listen-tcp", "http://h:1"], ["--listen-tcp", "tcp://HOST:PORT"]),
+    ("launch", ["--workers", "0"], ["--workers", "must be >= 1, got 0"]),
+    ("launch", ["--host-blocks", "many"], ["--host-blocks", "expects an integer, got 'many'"]),
+    ("launch", ["--ready-timeout", "0"], ["--ready-timeout", "must be > 0"]),
+    ("launch", ["--drain-timeout", "nan"], ["--drain-timeout", "must be > 0"]),
+    ("launch", ["--engine-timeout", "-1"], ["--engine-timeout", "must be >= 0"]),
+    ("launch", ["--max-restarts", "-1"], ["--max-restarts", "must be >= 0"]),
+    ("launch", ["--restart-stale-after", "0"], ["--restart-stale-after", "must be > 0"]),
+    ("launch", ["--tp", "1025"], ["--tp", "must be in [1, 1024]"]),
+    ("launch", ["--backend", "tpu"], ["--backend", "'host'", "'cuda'"]),
+    ("launch", ["--namespace", "a/b"], ["--namespace", "[A-Za-z0-9_-]"]),
+    ("launch", ["--demo-caches", "layers=x"], ["--demo-caches", "layers must be an int"]),
+    ("launch", ["--devices", "0,x"], ["--devices", "like 0,1"]),
+    ("launch", ["--tcp", "nohost"], ["--tcp", "HOST:BASEPORT"]),
+    ("launch", ["--tcp", "127.0.0.1:7100"], ["--tcp needs --secret-file"]),
+    ("launch", ["--devices", "0"], ["--devices names 1 devices for --tp 2"]),
+    ("launch", ["--daemon-args", "--workers 4"], ["unrecognized arguments: --daemon-args"]),
+    ("status", ["--interval", "0"], ["--interval", "must be > 0"]),
+    ("metrics", ["--port", "70000"], ["--port", "must be in [0, 65535]"]),
+    ("demo", ["--threads", "0"], ["--threads", "must be >= 1"]),
+    ("bench", ["tasks", "--tp", "0"], ["--tp", "must be in [1, 1024]"]),
+]
+
+
+@pytest.mark.parametrize("command,argv,expected", BAD, ids=[" ".join(b[1]) for b in BAD])
+def test_bad_values_exit_2_naming_the_flag_and_what_it_allows(command, argv, expected, capsys):
+    base = {"kvswapd": ["--namespace", "ns", "--rank", "0", "--tp", "2"],
+            "launch": ["launch", "--namespace", "ns", "--tp", "2"],
+            "status": ["status", "--namespace", "ns"],
+            "metrics": ["metrics", "--namespace", "ns", "--port", "0"],
+            "demo": ["demo"], "bench": ["bench"]}[command]
+    main = kvswapd.main if command == "kvswapd" else cli.main
+    with pytest.raises(SystemExit) as ei:
+        main(base + argv)  # the later of two same flags wins in argparse
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    for text in expected:
+        assert text in err, err
+
+
+@pytest.mark.parametrize("cls,kw,message", [
+    (LaunchConfig, {"workers": 0}, "--workers must be >= 1, got 0"),
+    (LaunchConfig, {"host_blocks": "8"}, "--host-blocks must be an integer, got '8'"),
+    (LaunchConfig, {"demo_caches": 5}, "--demo-caches must be a string, got 5"),
+    (LaunchConfig, {"merge": 0}, "--no-merge must be True or False, got 0"),
+    (LaunchConfig, {"tcp": "127.0.0.1:65535", "secret_file": "/s"},
+     "--tcp must be HOST:BASEPORT with BASEPORT from 1 to 65534"),
+    (LaunchConfig, {"tcp": "127.0.0.1:65534", "secret_file": "/s"},  # rank 1 has no port
+     "--tcp 127.0.0.1:65534: BASEPORT + --tp must be at most 65535"),
+    (DaemonConfig, {"rank": 0, "log_level": "debug"}, "--log-level must be one of DEBUG, INFO"),
+    (SupervisorConfig, {"max_retries": -1}, "--max-restarts must be >= 0, got -1"),
+])
+def test_configs_built_in_python_are_validated_the_same_way(cls, kw, message):
+    base = {LaunchConfig: {"namespace": "ns", "tp": 2},
+            DaemonConfig: {"namespace": "ns", "tp_size": 2}, SupervisorConfig: {}}[cls]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cls(**base, **kw)
+
+
+# ------------------------------------------------------------------ docs, version
+
+def test_operations_doc_flag_tables_equal_the_declarations():
+    text = (DOCS / "operations.md").read_text()
+    assert fill_generated(text) == text, (
+        "docs/operations.md flag tables are stale: python -m kvswap.daemon.config "
+        "docs/operations.md")
+    for cls in (NamespaceOptions, DaemonConfig, LaunchConfig):  # every flag is in a table
+        for action in (a for a in _parser_of(cls)._actions if a.option_strings[0] != "-h"):
+            assert f"| `{action.option_strings[0]}" in text, action.option_strings[0]
+
+
+def _parser_of(cls: type) -> argparse.ArgumentParser:
+    from kvswap.daemon.options import add_options
+
+    p = argparse.ArgumentParser()
+    add_options(p, cls)
+    return p
+
+
+def test_version_of_both_commands_is_the_installed_distribution(capsys):
+    installed = importlib.metadata.version("kvswap")
+    assert kvswap.client.__version__ == installed
+    for main, prog in ((cli.main, "kvswap"), (kvswapd.main, "kvswapd")):
+        with pytest.raises(SystemExit) as ei:
+            main(["--version"])
+        assert ei.value.code == 0
+        assert capsys.readouterr().out.strip() == f"{prog} {installed}"

@@ -95,6 +95,10 @@ class Names:
     def swap_segment(self, rank: int) -> str:
         return f"/{self.prefix}swap.r{rank}"
 
+    def journal_segment(self, rank: int) -> str:
+        """The rank's completion journal (``kvswap.daemon.journal``); outlives a crash."""
+        return f"/{self.prefix}journal.r{rank}"
+
     def device_segment(self, rank: int, tensor: str) -> str:
         """Host-backend simulated GPU tensor of ``rank`` called ``tensor``."""
         return f"/{self.prefix}dev.r{rank}.{check_tensor_name(tensor)}"

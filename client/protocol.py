@@ -84,6 +84,10 @@ class OpSpec:
     optional: Mapping[str, type | tuple[type, ...]] = field(default_factory=dict)
 
 
+# Fields any request may carry (docs/protocol.md section 3): the sending client's id, the
+# message's sequence number in that client, and whether it is a re-send after a restart.
+COMMON_OPTIONAL: dict[str, type] = {"cid": int, "cs": int, "re": bool}
+
 # ep: the sender's view of every rank's epoch; a rank whose epoch differs refuses the
 # task with RANK_RESTARTED, so nothing addressed to a dead daemon runs on its successor
 # out of order.
@@ -212,6 +216,13 @@ def decode_request(frames: Sequence[Any], max_header_bytes: int = MAX_HEADER_BYT
         raise RequestError(ErrorCode.UNKNOWN_OP, f"unknown op {op_name!r}", req_id) from None
     spec = OPS[op]
     check_fields(header, spec, req_id)
+    for name, t in COMMON_OPTIONAL.items():
+        value = header.get(name)
+        if value is not None and (not _is_type(value, t)
+                                  or (t is int and not 0 <= value < 1 << 63)):
+            raise RequestError(ErrorCode.BAD_FIELD,
+                               f"header field {name!r} must be {_type_name(t)}"
+                               f"{' in [0, 2**63)' if t is int else ''}, got {value!r}", req_id)
     extra = len(frames) - 1
     if spec.id_frames is not None and extra != spec.id_frames:
         raise RequestError(

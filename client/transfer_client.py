@@ -59,21 +59,6 @@ log = logging.getLogger("kvswap.client")
 _WATCH_MS = 20  # how often the I/O thread looks for restarted ranks while work is pending
 
 
-def _overlapping(futures: Sequence["TransferFuture"]) -> set[int]:
-    """Task ids of transfers that share a device or a host block with another one."""
-    with_blocks = [f for f in futures if f.blocks is not None]
-    out: set[int] = set()
-    for side in (0, 1):
-        seen: dict[int, int] = {}
-        for f in with_blocks:
-            assert f.blocks is not None
-            for b in np.unique(f.blocks[side]).tolist():
-                other = seen.setdefault(b, f.task_id)
-                if other != f.task_id:
-                    out.update((other, f.task_id))
-    return out
-
-
 @dataclass(frozen=True)
 class TransferSpec:
     """One evict or load, for :meth:`TransferClient.submit_batch`."""
@@ -252,6 +237,8 @@ class TransferClient:
         # Task ids are unique across clients (they key the layer-progress table):
         # a random 31-bit prefix, then a counter.
         self._ids = itertools.count((secrets.randbits(31) << 32) + 1)
+        self._cid = secrets.randbits(62) or 1
+        self._cs = itertools.count(1)
         self._pending: dict[int, TransferFuture] = {}
         self._deadlines: list[tuple[float, int]] = []  # heap, I/O thread only
         self._outbox: collections.deque[
@@ -561,8 +548,11 @@ class TransferClient:
         for s in (*self._dealers, self._wake_rx):
             s.close()
 
-    def _send(self, fut: TransferFuture, ranks: Sequence[int]) -> None:
+    def _send(self, fut: TransferFuture, ranks: Sequence[int], re: bool = False) -> None:
         assert fut.message is not None
+        if "cs" not in fut.message.header:
+            fut.message.header.update(cid=self._cid, cs=next(self._cs))
+        fut.message.header["re"] = re
         epochs = self._epochs if fut.message.epoch_stamped else None
         if self._secret is None:
             frames = fut.message.frames(epochs)
@@ -600,22 +590,17 @@ class TransferClient:
         lost = sorted((f for f in self._pending.values()
                        if r in f.ranks and r not in f._replies and f.task_id not in held),
                       key=lambda f: f.task_id)
-        unsafe = _overlapping(lost)
         resent_batches = {f.task_id for f in lost if f.op is Op.BATCH
-                          and r not in f.retried and f.task_id not in unsafe}
+                          and r not in f.retried}
         for fut in lost:
             if fut.batch_id in resent_batches:
                 continue  # travels again inside its re-sent batch message
             if fut.message is None:  # a task of a batch: its batch message was answered
                 why = "its batch was accepted before the restart"
-            elif r in fut.retried:
-                why = "it was already re-sent once"
-            elif fut.task_id in unsafe:
-                why = "it overlaps another task in flight, so a replay could reorder them"
             else:
                 fut.retried.add(r)
                 self.retried += 1
-                self._send(fut, [r])
+                self._send(fut, [r], re=True)
                 continue
             if fut._on_reply(Reply(fut.task_id, r, False, ErrorCode.RANK_RESTARTED,
                                    f"rank {r} restarted with task {fut.task_id} in flight; "

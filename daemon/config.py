@@ -182,6 +182,14 @@ class DaemonOptions(NamespaceOptions):
     drain_timeout_s: float = option(
         60.0, flag="--drain-timeout", parse=float, check=positive,
         help="seconds a clear waits for accepted tasks to finish")
+    journal_records: int = option(
+        65536, flag="--journal-records", parse=int, check=at_least(1),
+        help="completion journal: how many finished tasks each rank remembers, so a task "
+             "re-sent after a crash is answered, not run again (128 bytes each)")
+    journal_mib: int = option(
+        32, flag="--journal-mib", parse=int, check=at_least(1),
+        help="completion journal: MiB per rank for the block ids of tasks not yet finished "
+             "(a task whose ids do not fit is refused with JOURNAL_FULL)")
     log_level: str = option(
         "INFO", flag="--log-level", parse=str.upper, choices=LOG_LEVELS,
         help="daemon log level")

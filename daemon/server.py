@@ -76,9 +76,11 @@ from kvswap.client.signals import (
     pid_alive,
     poll_until,
 )
+from kvswap.daemon import crashpoints
 from kvswap.daemon.agreement import Agreement
 from kvswap.daemon.backend import Backend, make_backend
 from kvswap.daemon.config import DaemonConfig
+from kvswap.daemon.journal import JOURNALED_OPS, Journal
 from kvswap.daemon.scheduler import LANES, Scheduler, Task, TaskState, concat_ids
 from kvswap.daemon.state import StateMachine
 from kvswap.daemon.swap_space import HostSwapSpace
@@ -121,6 +123,20 @@ class Job:
     tensors: list[TensorDesc] = field(default_factory=list)
     rejoin: bool = False  # re-attach after a restart: the other ranks are READY, no barrier
     keys: np.ndarray | None = None  # storage ops: (n, 32) block keys
+    jseq: int | None = None  # the task's completion-journal record, once admitted
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Who sent a message and whether it is a re-send (protocol fields cid, cs, re)."""
+
+    cid: int = 0
+    cs: int = 0
+    resent: bool = False
+
+    @classmethod
+    def of(cls, header: dict) -> "Origin":
+        return cls(header.get("cid", 0), header.get("cs", 0), header.get("re", False))
 
 
 @dataclass
@@ -168,6 +184,7 @@ class Daemon:
             raise DaemonError("a tcp:// listener needs --secret-file (HMAC-SHA256 shared secret)")
         self._secret = load_secret(cfg.secret_file) if cfg.listen_tcp else b""
         self._storage: Any = None  # a kvswap.daemon.storage.StorageBackend once registered
+        self._journal: Journal | None = None  # opened in run(); outlives a crash
         self._fingerprint = b""
         self._tensor_spans: list[tuple[int, int, int]] = []  # (tensor, offset in entry, bytes)
         self._reported_corrupt: set[str] = set()
@@ -205,6 +222,11 @@ class Daemon:
     # ================================================================ life cycle
     def run(self) -> int:
         self._open_signals()
+        crashpoints.configure(self.names.run_dir)
+        self._journal = Journal.open(self.names, self.rank, self.cfg.journal_records,
+                                     self.cfg.journal_mib << 20)
+        if self._journal.reused:
+            log.info("completion journal adopted (%d task(s) in doubt)", self._journal.admitted)
         self.backend: Backend = make_backend(self.cfg.backend, self.names, self.rank,
                                              device=self.cfg.device,
                                              on_pin_progress=self._on_pin_progress)
@@ -335,8 +357,8 @@ class Daemon:
         if self._scheduler is not None:
             now = time.perf_counter_ns()
             for task in self._scheduler.stop():
-                self._complete(Completion(task.ctx, ErrorCode.SHUTTING_DOWN,
-                                          f"rank {self.rank} is shutting down", now, now))
+                self._settle(Completion(task.ctx, ErrorCode.SHUTTING_DOWN,
+                                        f"rank {self.rank} is shutting down", now, now))
 
     def _workers_done(self) -> bool:
         if self._control_thread.is_alive():
@@ -362,6 +384,13 @@ class Daemon:
             self._storage.close()
             self._storage = None
         self._verifier.shutdown(wait=True)
+        if self._journal is not None:
+            in_doubt = self._journal.admitted
+            if in_doubt:
+                log.error("%d task(s) never finished; keeping the completion journal for the "
+                          "next incarnation", in_doubt)
+            self._journal.close(unlink=not in_doubt)
+            self._journal = None
         signal.set_wakeup_fd(-1)
         self._sig_r.close()
         self._sig_w.close()
@@ -374,6 +403,9 @@ class Daemon:
         log.info("stopped")
 
     def _close_process_resources(self) -> None:
+        if self._journal is not None:  # a failed start: keep it for the next incarnation
+            self._journal.close(unlink=False)
+            self._journal = None
         self._hb_stop.set()
         self._hb_thread.join(timeout=5)
         self.ctx.term()
@@ -492,9 +524,12 @@ class Daemon:
             if timed is not None:
                 self.stats.record(timed, 0, (c.t_start - job.t_recv) / 1e3)
                 self.stats.record(timed, 1, (c.t_end - c.t_start) / 1e3)
+            crashpoints.hit("reply.before")
         self._reply(job.route, job.req_id, c.code, c.message,
                     queued_us=(c.t_start - job.t_recv) / 1e3,
                     exec_us=(c.t_end - c.t_start) / 1e3, fields=c.fields)
+        if job.jseq is not None:
+            crashpoints.hit("reply.after")
 
     def _answer_pause_waiters(self) -> None:
         if self._pause_waiters and self.sig[R.INFLIGHT] == 0:
@@ -524,13 +559,16 @@ class Daemon:
                               f"task was addressed to epoch {ep[self.rank]}",
                               ErrorCode.RANK_RESTARTED)
 
-    def _submit(self, job: Job, dev: np.ndarray, host: np.ndarray, fields: dict) -> None:
-        """Validate one transfer and queue it (I/O thread)."""
+    def _submit(self, job: Job, dev: np.ndarray, host: np.ndarray, fields: dict,
+                origin: Origin) -> None:
+        """Validate one transfer, journal it and queue it (I/O thread)."""
         validate_transfer(job.op, dev, host, self._num_device_blocks, self._num_host_blocks)
         layerwise = bool(fields.get("layerwise", False))
         if layerwise and job.op is not Op.LOAD:
             raise InvalidTask("layerwise applies to load only", ErrorCode.BAD_FIELD)
-        assert self._scheduler is not None
+        assert self._scheduler is not None and self._journal is not None
+        job.jseq = self._journal.admit(job.req_id, job.op, dev, host, layerwise=layerwise,
+                                       cid=origin.cid, cs=origin.cs)
         self.sig.add(R.INFLIGHT, 1)
         small = dev.shape[0] * self._block_bytes <= self.cfg.inline_max_bytes
         task = self._scheduler.submit(job.op, dev, host, priority=int(fields.get("priority", 0)),
@@ -539,26 +577,109 @@ class Daemon:
         if task.state is TaskState.RUNNING:
             # Small, ready, nothing else waiting: copy here and save two thread hand-offs.
             (done,) = self._execute([task])
+            self._record(done)
             self._scheduler.finish([task])
             self._deliver(done)
 
+    # ---------------------------------------------------------------- exactly once
+    def _record(self, c: Completion) -> None:
+        """Journal a task's outcome.  Called before its dependents are released and
+        before its reply is sent: that order is what makes re-sends safe
+        (daemon/journal.py)."""
+        if c.job.jseq is not None:
+            crashpoints.hit("record.before")
+            assert self._journal is not None
+            self._journal.finish(c.job.jseq, c.code, c.message, c.fields)
+
+    def _settle(self, c: Completion) -> None:
+        """Journal a completion and hand it to the I/O thread (any thread)."""
+        self._record(c)
+        self._complete(c)
+
+    def _answer_resent(self, job: Job, origin: Origin) -> bool:
+        """A re-sent task (I/O thread): answer it from the journal if an earlier
+        incarnation admitted it and return True; False if it was never admitted
+        here, so it runs now like a new task."""
+        assert self._journal is not None
+        found = self._journal.lookup(job.req_id)
+        if found is None:
+            if self._journal.forgotten(origin.cid, origin.cs):
+                raise KvswapError(
+                    f"task {job.req_id} was re-sent after a restart, and rank {self.rank}'s "
+                    f"completion journal no longer holds records that old, so whether it ran "
+                    f"cannot be proved; its destination blocks hold unknown content: submit a "
+                    f"new task if its source still holds what you want", ErrorCode.OUTCOME_UNKNOWN)
+            return False
+        state, outcome = found
+        if outcome is None:
+            raise InvalidTask(f"task {job.req_id} was re-sent while it is still running on rank "
+                              f"{self.rank}; it is answered once", ErrorCode.INVALID_TASK)
+        self._reply(job.route, job.req_id, outcome.code, outcome.message,
+                    fields={**outcome.fields, "journal": True})
+        return True
+
+    def _replay_in_doubt(self) -> None:
+        """Control thread, after re-attaching and before READY: finish the tasks a
+        crash interrupted, in admission order (why that is safe: daemon/journal.py)."""
+        assert self._journal is not None
+        for d in self._journal.in_doubt():
+            job = Job(None, d.task_id, d.op, time.perf_counter_ns(), keys=d.keys)
+            job.jseq = d.seq
+            now = time.perf_counter_ns()
+            if d.op is Op.PREFETCH:
+                done = Completion(job, ErrorCode.OUTCOME_UNKNOWN,
+                                  "a daemon crash interrupted this prefetch after the ranks "
+                                  "agreed on it; its host blocks hold unknown content: "
+                                  "prefetch again", now, now)
+            else:
+                try:
+                    validate_transfer(d.op, d.device_ids, d.host_ids, self._num_device_blocks,
+                                      self._num_host_blocks)
+                except KvswapError as exc:
+                    done = Completion(job, ErrorCode.OUTCOME_UNKNOWN,
+                                      f"cannot replay after a crash: {exc.message}", now, now)
+                else:
+                    task = Task(-1, d.op, d.device_ids, d.host_ids, layerwise=d.layerwise,
+                                ctx=job)
+                    (done,) = self._execute([task])
+            self._record(done)
+            log.warning("replayed %s %d, interrupted by a crash: [%d] %s", d.op.value, d.task_id,
+                        done.code, done.message or "OK")
+
+    def _abandon_in_doubt(self) -> None:
+        """A register of new tensors: tasks a crash interrupted cannot be replayed onto
+        them; each is recorded OUTCOME_UNKNOWN so a re-send gets a clear answer."""
+        assert self._journal is not None
+        for d in self._journal.in_doubt():
+            self._journal.finish(d.seq, ErrorCode.OUTCOME_UNKNOWN,
+                                 "interrupted by a daemon crash; the caches were registered "
+                                 "anew, so it was not replayed")
+            log.warning("%s %d, interrupted by a crash, not replayed onto new caches",
+                        d.op.value, d.task_id)
+
     def _admit_transfer(self, job: Job, req: Request | None) -> None:
-        self._check_serving()
         self._check_epoch(req.header)
+        self._check_serving()
+        origin = Origin.of(req.header)
+        if origin.resent and self._answer_resent(job, origin):
+            return
         dev, host = decode_transfer(req)
-        self._submit(job, dev, host, req.header)
+        self._submit(job, dev, host, req.header, origin)
 
     def _run_batch(self, job: Job, req: Request | None) -> dict:
         """Admit each task of a batch on its own: each is answered under its own id."""
-        self._check_serving()
         self._check_epoch(req.header)
+        self._check_serving()
+        origin = Origin.of(req.header)
         accepted = 0
         for item in decode_batch(req):
             sub = Job(job.route, item.id, item.op, job.t_recv)
             try:
+                if origin.resent and self._answer_resent(sub, origin):
+                    continue
                 dev, host = decode_id_pair(item.op, req.header["ids"], item.fields["n"],
                                            item.device_frame, item.host_frame)
-                self._submit(sub, dev, host, item.fields)
+                self._submit(sub, dev, host, item.fields, origin)
                 accepted += 1
             except KvswapError as exc:
                 self._reject(sub.route, sub.req_id, sub.op.value, exc)
@@ -580,15 +701,15 @@ class Daemon:
         if task is None:
             return {"cancelled": False}
         now = time.perf_counter_ns()
-        self._complete(Completion(task.ctx, ErrorCode.CANCELLED,
-                                  f"task {target} cancelled before it started", now, now))
+        self._settle(Completion(task.ctx, ErrorCode.CANCELLED,
+                                f"task {target} cancelled before it started", now, now))
         self._flush_completions()  # the task's CANCELLED reply precedes the cancel's reply
         return {"cancelled": True}
 
     def _run_batch_on_worker(self, batch: list[Task]) -> None:
         """The scheduler's ``run_batch`` (a transfer worker thread)."""
         for c in self._execute(batch):
-            self._complete(c)
+            self._settle(c)
 
     def _execute(self, batch: list[Task]) -> list[Completion]:
         """Copy one batch of tasks; never raises (a failure is every task's outcome)."""
@@ -596,11 +717,15 @@ class Daemon:
             return [self._execute_storage(t) for t in batch]
         t_start = time.perf_counter_ns()
         op = batch[0].op
+        crashpoints.hit("copy.before")
         try:
             if batch[0].layerwise:
                 self._execute_layerwise(batch[0])
             else:
                 dev, host = concat_ids(batch)
+                if crashpoints.armed("copy.mid"):  # fault injection: half the tensors, then die
+                    self.backend.copy(op, dev, host, range(len(self._tensor_spans) // 2))
+                    crashpoints.hit("copy.mid")
                 self.backend.copy(op, dev, host)
         except Exception as exc:  # a copy that raised: report it on every task, keep serving
             log.exception("%s of %d task(s) failed", op.value, len(batch))
@@ -622,6 +747,7 @@ class Daemon:
             for i, tensors in enumerate(self._layer_groups):
                 self.backend.copy(task.op, task.device_ids, task.host_ids, tensors)
                 self.layers.advance(entry, i + 1)
+                crashpoints.hit("copy.mid")
             ok = True
         finally:
             self.layers.finish(entry, ok)
@@ -654,8 +780,10 @@ class Daemon:
             self._complete(c)
             if job.op is Op.REGISTER and c.code == ErrorCode.OK:
                 if job.rejoin:
+                    self._replay_in_doubt()
                     self._become_ready()
                 else:
+                    self._abandon_in_doubt()
                     self._startup_barrier()
 
     def _admit_register(self, job: Job, req: Request | None) -> None:
@@ -809,8 +937,11 @@ class Daemon:
     # ================================================================ storage tier
     def _admit_storage(self, job: Job, req: Request | None) -> None:
         assert req is not None
-        self._check_serving()
         self._check_epoch(req.header)
+        self._check_serving()
+        origin = Origin.of(req.header)
+        if req.op in JOURNALED_OPS and origin.resent and self._answer_resent(job, origin):
+            return
         if self._storage is None:
             raise KvswapError(f"rank {self.rank} has no storage tier (kvswapd --storage URL)",
                               ErrorCode.STORAGE_ERROR)
@@ -824,7 +955,10 @@ class Daemon:
             host = decode_id_frame(req.frames[0], req.header["ids"], "host ids")
             job.keys = decode_keys(req.frames[1], n)
             validate_storage(req.op, host, n, self._num_host_blocks)
-        assert self._scheduler is not None
+        assert self._scheduler is not None and self._journal is not None
+        if req.op in JOURNALED_OPS:  # exists changes nothing: running it twice is harmless
+            job.jseq = self._journal.admit(job.req_id, req.op, np.empty(0, dtype=np.int64),
+                                           host, keys=job.keys, cid=origin.cid, cs=origin.cs)
         self.sig.add(R.INFLIGHT, 1)
         self._scheduler.submit(req.op, np.empty(0, dtype=np.int64), host,
                                priority=int(req.header.get("priority", 0)), ctx=job)

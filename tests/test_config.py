@@ -127,6 +127,8 @@ NON_DEFAULT = {
     "model_id": "-m llama=3",
     "storage_timeout_s": 4.0,
     "drain_timeout_s": 6.0,
+    "journal_records": 1000,
+    "journal_mib": 4,
     "log_level": "DEBUG",
 }
 

@@ -1,0 +1,417 @@
+"""The completion journal: exactly-once execution of transfers across daemon crashes.
+
+Why it exists
+-------------
+The host swap pool and the device tensors both outlive a crashed daemon, so the
+record of which tasks changed them must outlive it too.  Without one, a client
+that never saw a task's reply re-sends it after the restart, and a task that
+ran already runs again -- after later tasks may have overwritten its source.
+It is then acknowledged OK with wrong bytes (issue #12's reproduction: an evict
+whose reply was lost re-reads a device block that a later load had replaced).
+
+The rule
+--------
+Every evict, load, backup and prefetch a rank admits gets a record here
+(state ADMITTED) *before* it can run, holding what is needed to run it again:
+op, block ids, storage keys.  When it finishes, its outcome is written (state
+DONE, code, reply fields) *before* its dependents are released and before its
+reply is sent.  Three facts follow:
+
+1. A task whose record is DONE is never executed again: a re-send (``re``) is
+   answered from the record.
+2. A task whose record is ADMITTED at a crash may have run partly, but nothing
+   that depends on it has run (dependents wait for the DONE record), and every
+   task it depended on is DONE.  Running it again therefore reads the same
+   source and writes the same destination: the restarted daemon replays every
+   ADMITTED record, in admission order, before it reports READY.  Nothing new
+   is admitted before the replay ends, so no task of any client can come in
+   between.  (A prefetch cannot be replayed -- its count was agreed with the
+   other ranks -- so it ends OUTCOME_UNKNOWN; its host blocks are released.)
+3. A re-sent task with no record was never admitted (or was rejected, which
+   changed nothing): it is admitted now like a new one.  The exception is a
+   record that was dropped to make room, which would look the same; the
+   journal remembers, per client, the highest message sequence number ``cs``
+   whose record it dropped (records leave in admission order, and one client's
+   messages arrive in ``cs`` order), and a re-send at or below it is answered
+   OUTCOME_UNKNOWN instead of being run again.
+
+Layout (one POSIX shm segment per rank, ``/kvswap.<ns>.journal.r<rank>``)
+---------------------------------------------------------------------------
+::
+
+    0       header     8 x u64: magic, capacity, arena bytes, head, tail,
+                       arena head, client marks dropped, reserved
+    64      client marks  CLIENTS x (cid u64, highest dropped cs u64)
+    4160    records    capacity x RECORD (128 bytes), slot = seq % capacity
+    ...     arena      ids and keys of ADMITTED records, a byte ring
+
+``head`` counts records ever admitted, ``tail`` is the oldest one kept;
+``arena head`` counts arena bytes ever handed out.  A record's arena span is
+``[arena_off, arena_off + arena_len)`` in that virtual count, stored at
+``arena_off % arena bytes`` (a span never wraps: the ring skips to its start).
+Only records still ADMITTED hold arena space, so the space in use runs from
+the oldest ADMITTED record's span to ``arena head``.
+
+Crash consistency: fields are written first and the ``state`` byte last, and
+``head``/``tail`` move only after the record they cover is complete.  A
+SIGKILL loses no store already made to shared memory, so a reader after a
+crash sees each record either before or after its last update.
+
+Who writes: the daemon's I/O thread admits and answers re-sends; the threads
+that finish tasks (transfer and storage workers, the I/O thread for inline
+copies, the control thread for the replay) write outcomes.  One lock
+serialises them; it is never held across a copy.  Readers in other processes:
+none but the daemon's next incarnation.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import posix_ipc
+
+from kvswap.client.errors import ErrorCode, KvswapError
+from kvswap.client.naming import Names
+from kvswap.client.protocol import Op
+from kvswap.client.shm_region import ShmRegion, unlink_shm
+
+MAGIC = int.from_bytes(b"KVSJRNL1", "little")
+HEADER = struct.Struct("<8Q")  # magic, capacity, arena bytes, head, tail, arena head, dropped, -
+CLIENTS = 256
+MARK = struct.Struct("<QQ")  # client id, highest cs whose record was dropped
+MARKS_OFFSET = HEADER.size
+RECORDS_OFFSET = MARKS_OFFSET + CLIENTS * MARK.size
+
+# One record.  ``state`` is written last, on its own (see "Crash consistency").
+RECORD = struct.Struct(
+    "<q"   # task id
+    "Q"    # client id (cid), 0 = none
+    "Q"    # the message's sequence number in its client (cs), 0 = none
+    "Q"    # arena offset (virtual)
+    "Q"    # reply field a: bytes (evict/load), count (backup/prefetch)
+    "Q"    # reply field b: merged (evict/load), skipped (backup)
+    "I"    # arena length
+    "I"    # n: block pairs (evict/load) or keys (backup/prefetch)
+    "H"    # code
+    "B"    # state (RecordState)
+    "B"    # op
+    "B"    # layerwise
+    "B"    # id width in bytes (4 or 8)
+    "66s"  # failure message, truncated
+)
+assert RECORD.size == 128, RECORD.size
+STATE_OFFSET = 8 * 6 + 4 + 4 + 2  # byte offset of ``state`` inside a record
+
+# Header slots.
+_MAGIC, _CAPACITY, _ARENA, _HEAD, _TAIL, _ARENA_HEAD, _DROPPED = range(7)
+
+JOURNALED_OPS: tuple[Op, ...] = (Op.EVICT, Op.LOAD, Op.BACKUP, Op.PREFETCH)
+_OP_CODE = {op: i + 1 for i, op in enumerate(JOURNALED_OPS)}
+_CODE_OP = {i: op for op, i in _OP_CODE.items()}
+KEY_BYTES = 32
+
+
+class RecordState(enum.IntEnum):
+    EMPTY = 0
+    ADMITTED = 1  # may run or have run partly; dependents not yet released
+    DONE = 2  # outcome below is final
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a finished task answered; replayed as the reply to a re-send."""
+
+    code: ErrorCode
+    message: str
+    fields: dict
+
+
+@dataclass(frozen=True)
+class InDoubt:
+    """A task admitted by an earlier incarnation that had not finished at its crash."""
+
+    seq: int
+    task_id: int
+    op: Op
+    layerwise: bool
+    device_ids: np.ndarray
+    host_ids: np.ndarray
+    keys: np.ndarray | None  # (n, 32) uint8 for backup / prefetch
+
+
+def reply_fields(op: Op, a: int, b: int) -> dict:
+    """The reply fields of ``op`` rebuilt from a record's two numbers."""
+    if op in (Op.EVICT, Op.LOAD):
+        return {"bytes": a, "merged": b}
+    if op is Op.BACKUP:
+        return {"count": a, "skipped": b}
+    return {"count": a}
+
+
+def split_fields(op: Op, fields: dict) -> tuple[int, int]:
+    if op in (Op.EVICT, Op.LOAD):
+        return int(fields.get("bytes", 0)), int(fields.get("merged", 0))
+    return int(fields.get("count", 0)), int(fields.get("skipped", 0))
+
+
+class JournalFull(KvswapError):
+    default_code = ErrorCode.JOURNAL_FULL
+
+
+class Journal:
+    """One rank's completion journal (see the module docstring for the rules)."""
+
+    def __init__(self, region: ShmRegion, reused: bool):
+        self._region = region
+        self.reused = reused
+        self._buf = region.array(0, (region.size,), np.uint8)
+        hdr = HEADER.unpack_from(self._buf, 0)
+        self.capacity = int(hdr[_CAPACITY])
+        self.arena_bytes = int(hdr[_ARENA])
+        self._arena_offset = RECORDS_OFFSET + self.capacity * RECORD.size
+        self._arena = self._buf[self._arena_offset:self._arena_offset + self.arena_bytes]
+        self._lock = threading.Lock()
+        # Process-local, rebuilt from the records: task id -> seq of its newest record,
+        # and the seq of the oldest record that may still be ADMITTED (it pins the arena).
+        self._index: dict[int, int] = {}
+        for seq in range(self._get(_TAIL), self._get(_HEAD)):
+            if self._state(seq) != RecordState.EMPTY:
+                self._index[RECORD.unpack_from(self._buf, self._at(seq))[0]] = seq
+        self._oldest_live = self._get(_TAIL)
+
+    # ------------------------------------------------------------------ open / close
+    @staticmethod
+    def segment_bytes(capacity: int, arena_bytes: int) -> int:
+        return RECORDS_OFFSET + capacity * RECORD.size + arena_bytes
+
+    @classmethod
+    def open(cls, names: Names, rank: int, capacity: int, arena_bytes: int) -> "Journal":
+        """Adopt the journal an earlier incarnation of this rank left, or create one.
+
+        An existing journal keeps its own capacity and arena size (its records are
+        laid out for them); a segment that is not a whole journal is replaced."""
+        if capacity < 1 or arena_bytes < 4096:
+            raise ValueError(f"journal needs >= 1 record and >= 4096 arena bytes, got "
+                             f"{capacity} and {arena_bytes}")
+        name = names.journal_segment(rank)
+        try:
+            region = ShmRegion.attach(name, min_size=HEADER.size)
+        except posix_ipc.ExistentialError:
+            region = None
+        if region is not None:
+            magic, cap, arena = HEADER.unpack_from(region.array(0, (HEADER.size,), np.uint8))[:3]
+            if magic == MAGIC and region.size >= cls.segment_bytes(cap, arena):
+                return cls(region, reused=True)
+            region.close()
+            unlink_shm(name)
+        region = ShmRegion.create(name, cls.segment_bytes(capacity, arena_bytes),
+                                  exclusive=False)
+        buf = region.array(0, (HEADER.size,), np.uint8)
+        HEADER.pack_into(buf, 0, 0, capacity, arena_bytes, 0, 0, 0, 0, 0)
+        struct.pack_into("<Q", buf, 0, MAGIC)  # last: a half-made journal is not one
+        return cls(region, reused=False)
+
+    def close(self, unlink: bool) -> None:
+        """Unmap (and remove the segment on a clean stop: nothing is in doubt then)."""
+        with self._lock:
+            self._buf = self._arena = None  # type: ignore[assignment]
+            self._region.close()
+            if unlink:
+                unlink_shm(self._region.name)
+
+    # ------------------------------------------------------------------ admission
+    def admit(self, task_id: int, op: Op, device_ids: np.ndarray, host_ids: np.ndarray,
+              keys: np.ndarray | None = None, layerwise: bool = False, cid: int = 0,
+              cs: int = 0) -> int:
+        """Record an admitted task; return its sequence number.  Raises
+        :class:`JournalFull` (changing nothing) if no record or arena space is free.
+        Ids are kept as int32 when every one fits (they are validated block ids)."""
+        wide = any(a.dtype.itemsize > 4 and a.size and int(a.max()) > 0x7FFFFFFF
+                   for a in (device_ids, host_ids))
+        dtype = "<i8" if wide else "<i4"
+        n = int(keys.shape[0]) if keys is not None else int(device_ids.shape[0])
+        width = 8 if wide else 4
+        length = (device_ids.size + host_ids.size) * width + (keys.size if keys is not None
+                                                              else 0)
+        with self._lock:
+            head, tail = self._get(_HEAD), self._get(_TAIL)
+            if head - tail == self.capacity and not self._retire_oldest():
+                raise JournalFull(
+                    f"the completion journal holds {self.capacity} tasks and the oldest is "
+                    f"still running; retry once tasks finish (or raise --journal-records)")
+            off = self._arena_alloc(length)
+            if off is None:
+                raise JournalFull(
+                    f"the completion journal's arena ({self.arena_bytes} bytes) has no room "
+                    f"for the {length} bytes of ids and keys of this task while earlier tasks "
+                    f"run; retry once tasks finish (or raise --journal-mib)")
+            pos = off % self.arena_bytes
+            for arr in (device_ids, host_ids):
+                size = arr.size * width
+                self._arena[pos:pos + size].view(dtype)[:] = arr
+                pos += size
+            if keys is not None:
+                self._arena[pos:pos + keys.size] = keys.reshape(-1)
+            seq = head
+            at = self._at(seq)
+            RECORD.pack_into(self._buf, at, task_id, cid, cs, off, 0, 0, length, n, 0,
+                             RecordState.EMPTY, _OP_CODE[op], layerwise, width, b"")
+            self._buf[at + STATE_OFFSET] = RecordState.ADMITTED
+            self._set(_ARENA_HEAD, off + length)
+            self._set(_HEAD, head + 1)
+            self._index[task_id] = seq
+            return seq
+
+    def finish(self, seq: int, code: ErrorCode, message: str = "",
+               fields: dict | None = None) -> None:
+        """Record the outcome of the task admitted as ``seq`` (any thread).  A second
+        outcome for the same record is ignored: the first one is what ran."""
+        with self._lock:
+            if (self._buf is None or seq < self._get(_TAIL)
+                    or self._state(seq) != RecordState.ADMITTED):
+                return
+            at = self._at(seq)
+            rec = RECORD.unpack_from(self._buf, at)
+            a, b = split_fields(_CODE_OP[rec[10]], fields or {})
+            RECORD.pack_into(self._buf, at, *rec[:4], a, b, *rec[6:8], int(code),
+                             RecordState.ADMITTED, *rec[10:13],
+                             message.encode("utf-8", "replace")[:RECORD.size - 62])
+            self._buf[at + STATE_OFFSET] = RecordState.DONE
+
+    # ------------------------------------------------------------------ re-sends
+    def lookup(self, task_id: int) -> tuple[RecordState, Outcome | None] | None:
+        """The state of ``task_id``'s newest record, and its outcome once DONE."""
+        with self._lock:
+            seq = self._index.get(task_id)
+            if seq is None:
+                return None
+            rec = RECORD.unpack_from(self._buf, self._at(seq))
+            state = RecordState(rec[9])
+            if state is not RecordState.DONE:
+                return state, None
+            msg = rec[13].rstrip(b"\0").decode("utf-8", "replace")
+            return state, Outcome(ErrorCode(rec[8]), msg, reply_fields(_CODE_OP[rec[10]],
+                                                                        rec[4], rec[5]))
+
+    def forgotten(self, cid: int, cs: int) -> bool:
+        """True if the record of client ``cid``'s message ``cs`` may have been dropped."""
+        with self._lock:
+            if not cid or not cs:  # an anonymous sender: any drop makes it unprovable
+                return self._get(_TAIL) > 0
+            row = self._find_mark(cid)
+            if row is not None:
+                return cs <= MARK.unpack_from(self._buf, MARKS_OFFSET + row * MARK.size)[1]
+            return self._get(_DROPPED) > 0
+
+    # ------------------------------------------------------------------ replay
+    def in_doubt(self) -> list[InDoubt]:
+        """Records still ADMITTED, oldest first: the tasks a crash interrupted."""
+        out = []
+        with self._lock:
+            for seq in range(self._get(_TAIL), self._get(_HEAD)):
+                if self._state(seq) != RecordState.ADMITTED:
+                    continue
+                rec = RECORD.unpack_from(self._buf, self._at(seq))
+                op, n, width = _CODE_OP[rec[10]], rec[7], rec[12]
+                dtype = "<i8" if width == 8 else "<i4"
+                storage = op in (Op.BACKUP, Op.PREFETCH)
+                pos = rec[3] % self.arena_bytes
+                n_dev = 0 if storage else n
+                dev = self._arena[pos:pos + n_dev * width].view(dtype).astype(np.int64)
+                pos += n_dev * width
+                host = self._arena[pos:pos + n * width].view(dtype).astype(np.int64)
+                pos += n * width
+                keys = (self._arena[pos:pos + n * KEY_BYTES].reshape(n, KEY_BYTES).copy()
+                        if storage else None)
+                out.append(InDoubt(seq, rec[0], op, bool(rec[11]), dev, host, keys))
+        return out
+
+    @property
+    def admitted(self) -> int:
+        """Records still ADMITTED (tests and stats)."""
+        with self._lock:
+            return sum(1 for seq in range(self._get(_TAIL), self._get(_HEAD))
+                       if self._state(seq) == RecordState.ADMITTED)
+
+    # ------------------------------------------------------------------ internals (lock held)
+    def _get(self, slot: int) -> int:
+        return struct.unpack_from("<Q", self._buf, slot * 8)[0]
+
+    def _set(self, slot: int, value: int) -> None:
+        struct.pack_into("<Q", self._buf, slot * 8, value)
+
+    def _at(self, seq: int) -> int:
+        return RECORDS_OFFSET + (seq % self.capacity) * RECORD.size
+
+    def _state(self, seq: int) -> int:
+        return int(self._buf[self._at(seq) + STATE_OFFSET])
+
+    def _retire_oldest(self) -> bool:
+        """Drop the oldest record if it is DONE, raising its client's mark to its ``cs``."""
+        tail = self._get(_TAIL)
+        if self._state(tail) == RecordState.ADMITTED:
+            return False
+        task_id, cid, cs = RECORD.unpack_from(self._buf, self._at(tail))[:3]
+        if cid and cs:
+            row = self._find_mark(cid)
+            if row is None:
+                row = self._claim_mark(cid)
+            at = MARKS_OFFSET + row * MARK.size
+            MARK.pack_into(self._buf, at, cid, max(cs, MARK.unpack_from(self._buf, at)[1]))
+        if self._index.get(task_id) == tail:
+            del self._index[task_id]
+        self._set(_TAIL, tail + 1)
+        self._oldest_live = max(self._oldest_live, tail + 1)
+        return True
+
+    def _mark_cid(self, row: int) -> int:
+        return MARK.unpack_from(self._buf, MARKS_OFFSET + row * MARK.size)[0]
+
+    def _find_mark(self, cid: int) -> int | None:
+        start = cid % CLIENTS
+        for i in range(CLIENTS):
+            row = (start + i) % CLIENTS
+            got = self._mark_cid(row)
+            if got == cid:
+                return row
+            if got == 0:
+                return None
+        return None
+
+    def _claim_mark(self, cid: int) -> int:
+        """A row for ``cid``.  When every row is taken, the row with the lowest mark is
+        reused and the drop counted, so re-sends of clients without a row become
+        unprovable rather than wrongly run again."""
+        start = cid % CLIENTS
+        for i in range(CLIENTS):
+            row = (start + i) % CLIENTS
+            if self._mark_cid(row) == 0:
+                MARK.pack_into(self._buf, MARKS_OFFSET + row * MARK.size, cid, 0)
+                return row
+        marks = [MARK.unpack_from(self._buf, MARKS_OFFSET + r * MARK.size)[1]
+                 for r in range(CLIENTS)]
+        row = marks.index(min(marks))
+        self._set(_DROPPED, self._get(_DROPPED) + 1)
+        MARK.pack_into(self._buf, MARKS_OFFSET + row * MARK.size, cid, 0)
+        return row
+
+    def _arena_alloc(self, length: int) -> int | None:
+        """Virtual offset of ``length`` free arena bytes that do not wrap, or None."""
+        if length > self.arena_bytes:
+            return None
+        head = self._get(_ARENA_HEAD)
+        phys = head % self.arena_bytes
+        if phys + length > self.arena_bytes:
+            head += self.arena_bytes - phys  # skip the end: spans never wrap
+        end = self._get(_HEAD)
+        while self._oldest_live < end and self._state(self._oldest_live) != RecordState.ADMITTED:
+            self._oldest_live += 1
+        used_from = (RECORD.unpack_from(self._buf, self._at(self._oldest_live))[3]
+                     if self._oldest_live < end else head)
+        if head + length - used_from > self.arena_bytes:
+            return None
+        return head

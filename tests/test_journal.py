@@ -1,0 +1,171 @@
+"""The completion journal on its own: records, outcomes, replay data, space, marks,
+and what a second incarnation (a new Journal over the same segment) sees."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvswap.client.errors import ErrorCode
+from kvswap.client.protocol import Op
+from kvswap.daemon.journal import (
+    CLIENTS,
+    HEADER,
+    MARK,
+    RECORD,
+    RECORDS_OFFSET,
+    STATE_OFFSET,
+    Journal,
+    JournalFull,
+    RecordState,
+)
+
+
+@pytest.fixture
+def names(namespaces):
+    return namespaces.new()
+
+
+def _ids(*xs):
+    return np.array(xs, dtype=np.int64)
+
+
+def _reopen(j: Journal, names) -> Journal:
+    """What the next incarnation sees: the segment as the crashed one left it."""
+    j.close(unlink=False)
+    return Journal.open(names, 0, capacity=1, arena_bytes=4096)  # sizes come from the segment
+
+
+def test_layout_drawn_in_the_docstring_holds():
+    import kvswap.daemon.journal as mod
+
+    assert HEADER.size == 64 and MARK.size == 16 and RECORD.size == 128
+    assert RECORDS_OFFSET == 64 + CLIENTS * 16 == 4160
+    assert "4160    records" in mod.__doc__ and "64      client marks" in mod.__doc__
+    # the state byte sits where finish() writes it last
+    raw = bytearray(RECORD.size)
+    RECORD.pack_into(raw, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0xAB, 1, 0, 4, b"")
+    assert raw[STATE_OFFSET] == 0xAB
+
+
+def test_outcome_survives_a_new_incarnation(names):
+    j = Journal.open(names, 0, capacity=8, arena_bytes=1 << 16)
+    assert not j.reused
+    seq = j.admit(77, Op.EVICT, _ids(1, 2), _ids(3, 4), cid=5, cs=1)
+    assert j.lookup(77) == (RecordState.ADMITTED, None)
+    j.finish(seq, ErrorCode.OK, fields={"bytes": 4096, "merged": 2})
+    j2 = _reopen(j, names)
+    try:
+        assert j2.reused and j2.capacity == 8
+        state, out = j2.lookup(77)
+        assert state is RecordState.DONE
+        assert out.code == ErrorCode.OK and out.fields == {"bytes": 4096, "merged": 2}
+        assert j2.in_doubt() == []
+    finally:
+        j2.close(unlink=True)
+    assert not names.owned_shm()
+
+
+def test_interrupted_tasks_come_back_in_admission_order_with_their_ids(names):
+    j = Journal.open(names, 0, capacity=8, arena_bytes=1 << 16)
+    a = j.admit(1, Op.EVICT, _ids(0, 1, 2), _ids(10, 11, 12), cid=9, cs=1)
+    j.admit(2, Op.LOAD, _ids(5), _ids(2**40), layerwise=True, cid=9, cs=2)  # int64 ids
+    keys = np.arange(64, dtype=np.uint8).reshape(2, 32)
+    j.admit(3, Op.BACKUP, np.empty(0, np.int64), _ids(7, 8), keys=keys, cid=9, cs=3)
+    j.finish(a, ErrorCode.OK, fields={"bytes": 1, "merged": 1})
+    j2 = _reopen(j, names)
+    try:
+        doubt = j2.in_doubt()
+        assert [d.task_id for d in doubt] == [2, 3]
+        assert doubt[0].op is Op.LOAD and doubt[0].layerwise
+        assert doubt[0].device_ids.tolist() == [5] and doubt[0].host_ids.tolist() == [2**40]
+        assert doubt[1].op is Op.BACKUP and doubt[1].host_ids.tolist() == [7, 8]
+        assert np.array_equal(doubt[1].keys, keys)
+        assert j2.admitted == 2
+    finally:
+        j2.close(unlink=True)
+
+
+def test_a_failure_keeps_its_code_and_message(names):
+    j = Journal.open(names, 0, capacity=4, arena_bytes=4096)
+    try:
+        seq = j.admit(1, Op.PREFETCH, np.empty(0, np.int64), _ids(1),
+                      keys=np.zeros((1, 32), np.uint8))
+        j.finish(seq, ErrorCode.STORAGE_ERROR, "x" * 500)
+        j.finish(seq, ErrorCode.OK)  # a second outcome is ignored: the first is what ran
+        state, out = j.lookup(1)
+        assert out.code == ErrorCode.STORAGE_ERROR and out.message == "x" * 66
+        assert out.fields == {"count": 0}
+    finally:
+        j.close(unlink=True)
+
+
+def test_full_journal_refuses_and_changes_nothing(names):
+    j = Journal.open(names, 0, capacity=2, arena_bytes=4096)
+    try:
+        first = j.admit(1, Op.EVICT, _ids(1), _ids(1), cid=3, cs=1)
+        j.admit(2, Op.EVICT, _ids(2), _ids(2), cid=3, cs=2)
+        with pytest.raises(JournalFull) as exc:  # the oldest is still running
+            j.admit(3, Op.EVICT, _ids(3), _ids(3), cid=3, cs=3)
+        assert exc.value.code == ErrorCode.JOURNAL_FULL and "--journal-records" in str(exc.value)
+        assert j.lookup(3) is None and j.admitted == 2
+        # an arena too small for one task's ids
+        j.finish(first, ErrorCode.OK)
+        with pytest.raises(JournalFull, match="journal-mib"):
+            j.admit(4, Op.EVICT, np.arange(600), np.arange(600))
+    finally:
+        j.close(unlink=True)
+
+
+def test_arena_space_is_reused_once_tasks_finish(names):
+    j = Journal.open(names, 0, capacity=64, arena_bytes=4096)
+    try:
+        ids = np.arange(200)  # 2 x 200 x 4 = 1600 bytes: two fit, a third does not
+        s1 = j.admit(1, Op.EVICT, ids, ids)
+        s2 = j.admit(2, Op.EVICT, ids, ids)
+        with pytest.raises(JournalFull):
+            j.admit(3, Op.EVICT, ids, ids)
+        j.finish(s1, ErrorCode.OK)
+        j.finish(s2, ErrorCode.OK)
+        for task in range(3, 40):  # the ring wraps many times without losing a span
+            seq = j.admit(task, Op.LOAD, ids, ids + task)
+            (doubt,) = j.in_doubt()
+            assert doubt.task_id == task and doubt.host_ids.tolist() == (ids + task).tolist()
+            j.finish(seq, ErrorCode.OK)
+        # a task that runs long pins its span: later ones may not overwrite it
+        j.admit(40, Op.EVICT, ids, ids + 40)
+        j.finish(j.admit(41, Op.EVICT, ids, ids), ErrorCode.OK)  # fits beside it
+        with pytest.raises(JournalFull):  # would wrap onto task 40's span
+            j.admit(42, Op.EVICT, ids, ids)
+        (doubt,) = j.in_doubt()
+        assert doubt.task_id == 40 and doubt.host_ids.tolist() == (ids + 40).tolist()
+    finally:
+        j.close(unlink=True)
+
+
+def test_dropped_records_make_their_resends_unprovable_not_runnable(names):
+    j = Journal.open(names, 0, capacity=2, arena_bytes=4096)
+    try:
+        for cs in (1, 2, 3):  # the third admission drops cs 1's record
+            j.finish(j.admit(100 + cs, Op.EVICT, _ids(cs), _ids(cs), cid=42, cs=cs), ErrorCode.OK)
+        assert j.lookup(101) is None
+        assert j.forgotten(42, 1)  # was admitted: its record is gone
+        assert not j.forgotten(42, 4)  # never admitted: may run
+        assert not j.forgotten(43, 1)  # another client lost nothing
+        assert j.forgotten(0, 0)  # a sender without cid/cs cannot be told apart
+        assert j.lookup(103)[0] is RecordState.DONE
+    finally:
+        j.close(unlink=True)
+
+
+def test_a_segment_that_is_not_a_journal_is_replaced(names):
+    from kvswap.client.shm_region import ShmRegion
+
+    junk = ShmRegion.create(names.journal_segment(0), 8192)
+    junk.array(0, (8192,), np.uint8)[:] = 0xFF
+    junk.close()
+    j = Journal.open(names, 0, capacity=4, arena_bytes=4096)
+    try:
+        assert not j.reused and j.capacity == 4 and j.in_doubt() == []
+    finally:
+        j.close(unlink=True)

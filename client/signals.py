@@ -74,6 +74,7 @@ from kvswap.client.errors import (
     RankTimeout,
 )
 from kvswap.client.naming import Names
+from kvswap.client.protocol import OPS
 
 MAGIC = int.from_bytes(b"KVSWAPSG", "little")
 LAYOUT_VERSION = 4
@@ -92,7 +93,11 @@ AGREE_TABLE_BYTES = AGREE_SLOTS * AGREE_ENTRY_SLOTS * 8
 # Latency histograms: per rank, per timed op, per phase, log2 buckets of
 # microseconds (bucket b counts values in [2^(b-1), 2^b) us; bucket 0 is < 1 us;
 # the last bucket also takes everything longer), then a count and a sum (us).
-HIST_OPS = ("evict", "load", "backup", "prefetch")
+# The timed ops are those the op table marks ``timed``, in its order; that order
+# is part of this layout (drawn above and in docs/signals.md; a test holds the
+# three equal), so a new timed op goes after the existing timed ones in the op
+# table and bumps LAYOUT_VERSION.
+HIST_OPS: tuple[str, ...] = tuple(op.value for op, spec in OPS.items() if spec.timed)
 HIST_PHASES = ("queued", "exec")
 HIST_BUCKETS = 26  # up to 2^25 us (33 s) before the open last bucket
 HIST_SLOTS = HIST_BUCKETS + 2  # buckets, count, sum_us
@@ -167,12 +172,16 @@ RANK_FIELDS: tuple[Slot, ...] = (
     Slot("cache_ready", 4, "daemon control thread", "status", "1 while caches are attached"),
     Slot("swap_ready", 5, "daemon control thread", "status", "1 while the host pool exists"),
     Slot("inflight", 6, "daemon I/O thread", "daemon control thread (clear drain), status",
-         "transfer tasks accepted and not yet answered"),
-    Slot("completed", 7, "daemon I/O thread", "status", "transfer tasks completed"),
+         "tasks of TRANSFER ops (copies and storage ops) accepted and not yet answered"),
+    Slot("completed", 7, "daemon I/O thread", "status",
+         "tasks of TRANSFER ops (copies and storage ops) answered OK"),
     Slot("failed", 8, "daemon I/O thread", "status",
-         "requests rejected or transfers failed (cancelled tasks not counted)"),
-    Slot("bytes_evicted", 9, "daemon I/O thread", "status", "bytes copied device -> host"),
-    Slot("bytes_loaded", 10, "daemon I/O thread", "status", "bytes copied host -> device"),
+         "requests rejected, or tasks of TRANSFER ops answered with an error other than "
+         "CANCELLED"),
+    Slot("bytes_evicted", 9, "daemon I/O thread", "status",
+         "bytes copied device -> host by successful evicts"),
+    Slot("bytes_loaded", 10, "daemon I/O thread", "status",
+         "bytes copied host -> device by successful loads"),
     Slot("num_device_blocks", 11, "daemon control thread", "client (range checks), status",
          "blocks per device tensor"),
     Slot("num_host_blocks", 12, "daemon control thread", "client (range checks), status",

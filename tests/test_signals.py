@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import re
 import time
+from pathlib import Path
 
 import numpy as np
 import posix_ipc
@@ -11,9 +13,18 @@ import pytest
 
 from kvswap.client.errors import BarrierAborted, BarrierTimeout, NamespaceError
 from kvswap.client.naming import Names
+from kvswap.client import signals
 from kvswap.client.shm_region import ShmRegion
 from kvswap.client.signals import (
+    HEADER_FIELDS,
+    HIST_OPS,
+    HIST_PHASES,
+    HIST_SLOTS,
+    RANK_FIELDS,
+    STATS_BYTES,
+    A,
     H,
+    L,
     R,
     Barrier,
     RankState,
@@ -224,3 +235,75 @@ def test_histogram_buckets_are_log2_microseconds(segment):
     snap = segment.snapshot()["ranks"][1]["histograms"]["load"]["exec"]
     assert snap["count"] == 2 and snap["sum_us"] == 8 and snap["buckets"][2:4] == [1, 1]
     assert segment.snapshot()["ranks"][0]["histograms"]["load"]["exec"]["count"] == 0
+
+
+# ------------------------------------------------------------------ layout drawn = code
+
+SIGNALS_DOC = Path(__file__).resolve().parent.parent / "docs" / "signals.md"
+
+
+def _between(text: str, start: str, end: str) -> str:
+    return text[text.index(start):text.index(end, text.index(start))]
+
+
+def _doc_slot_rows(section: str) -> dict[str, int]:
+    """``| slot | `name` | ...`` rows of a field table (reserved slots have no name)."""
+    return {name: int(slot) for slot, name in re.findall(r"^\| (\d+) \| `(\w+)` \|", section,
+                                                         re.M)}
+
+
+def _entry_drawing(line: str) -> dict[str, int]:
+    """``task_id | round | ...`` as drawn in the module docstring: names by position."""
+    cells = [c.split()[0] for c in line.split("|")]
+    return {name: i for i, name in enumerate(cells) if not name.isdigit()}
+
+
+def test_histogram_ops_match_the_documented_layout():
+    """HIST_OPS is derived from the op table; its order is part of the shm layout."""
+    doc = SIGNALS_DOC.read_text()
+    m = re.search(r"histograms for ((?:`\w+`, )*`\w+`), each for two phases", doc)
+    assert m, "docs/signals.md section 11 no longer lists the histogram ops"
+    documented = tuple(re.findall(r"`(\w+)`", m.group(1)))
+    m = re.search(r"latency histograms \(([\w, ]+)\)", signals.__doc__ or "")
+    assert m, "client/signals.py no longer draws the histogram ops"
+    drawn = tuple(op.strip() for op in m.group(1).split(","))
+    assert HIST_OPS == documented == drawn
+    assert f"tp x {STATS_BYTES // 8} u64" in doc
+    assert f"{len(HIST_OPS)} × {len(HIST_PHASES)} × {HIST_SLOTS} slots" in doc
+
+
+def test_slot_indexes_match_their_enums_and_the_drawn_layouts():
+    header = {m.name.lower(): int(m) for m in H}
+    rank = {m.name.lower(): int(m) for m in R}
+    layer = {m.name.lower(): int(m) for m in L}
+    agree = {m.name.lower(): int(m) for m in A}
+    assert {f.name: f.index for f in HEADER_FIELDS} == header
+    assert {f.name: f.index for f in RANK_FIELDS} == rank
+
+    # the module docstring: two columns (header, rank block), then the entry layouts
+    text = signals.__doc__ or ""
+    drawn_header: dict[str, int] = {}
+    drawn_rank: dict[str, int] = {}
+    for line in _between(text, "    namespace header ", "\nWriters").splitlines()[2:]:
+        for m in re.finditer(r"(?<![\d-])(\d+)\s+([a-z_]+)", line):
+            (drawn_header if m.start() < 30 else drawn_rank)[m.group(2)] = int(m.group(1))
+    assert drawn_header == header and drawn_rank == rank
+    lines = text.splitlines()
+    layer_line = lines[lines.index("    layer tables: per rank, 64 entries x 8 u64 (4 KiB):") + 1]
+    agree_line = lines[lines.index("    then agreement tables: per rank, 64 entries x 4 u64 "
+                                   "(2 KiB):") + 1]
+    assert _entry_drawing(layer_line) == layer and _entry_drawing(agree_line) == agree
+
+    # docs/signals.md: the drawn boxes and every field table
+    doc = SIGNALS_DOC.read_text()
+    boxes = _between(doc, "header (16 slots)", "The launcher creates")
+    boxed_header: dict[str, int] = {}
+    boxed_rank: dict[str, int] = {}
+    for line in boxes.splitlines():
+        for m in re.finditer(r"\|\s*(\d+)\s*\|\s*([a-z_]+)\s*\|", line):
+            (boxed_header if m.start() < 30 else boxed_rank)[m.group(2)] = int(m.group(1))
+    assert boxed_header == header and boxed_rank == rank
+    assert _doc_slot_rows(_between(doc, "### Namespace header", "### Rank block")) == header
+    assert _doc_slot_rows(_between(doc, "### Rank block", "Not reset when")) == rank
+    assert _doc_slot_rows(_between(doc, "## 8. Layer-progress", "## 9.")) == layer
+    assert _doc_slot_rows(_between(doc, "## 10. Agreement", "## 11.")) == agree

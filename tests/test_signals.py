@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -11,7 +12,15 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from kvswap.client.errors import BarrierAborted, BarrierTimeout, NamespaceError
+from kvswap.client.errors import (
+    BarrierAborted,
+    BarrierTimeout,
+    ErrorCode,
+    NamespaceError,
+    RankTimeout,
+    TransferFailed,
+)
+from kvswap.client.layer_progress import LayerProgress
 from kvswap.client.naming import Names
 from kvswap.client import signals
 from kvswap.client.shm_region import ShmRegion
@@ -33,6 +42,7 @@ from kvswap.client.signals import (
     now_ns,
     poll_until,
     unlink_semaphores,
+    wait_with_abort,
 )
 
 ctx = mp.get_context("fork")
@@ -187,6 +197,116 @@ def test_barrier_cancel(segment):
             b.wait(timeout=30, cancelled=lambda: True)
     finally:
         b.close()
+
+
+def test_barrier_completed_in_the_same_turn_as_a_cancel_is_passed(segment):
+    """Every participant has arrived: the barrier is passed, not withdrawn, even though
+    the cancel holds (the others may already be past it)."""
+    for r in (1, 2):
+        segment.rank(r)[R.BARRIER_ARRIVALS] = 1
+    b = Barrier(segment, 0)
+    try:
+        assert b.wait(timeout=30, cancelled=lambda: True) == 1
+    finally:
+        b.close()
+    assert int(segment.ranks[0, R.BARRIER_ARRIVALS]) == 1
+
+
+# ------------------------------------------------------------------ wait_with_abort
+
+
+class _Boom(Exception):
+    pass
+
+
+def test_wait_with_abort_exits(segment):
+    """Its exits and their order: a result, ready() raising, abort(), the deadline; every
+    exception runs give_up() once, a result never does."""
+    sem = posix_ipc.Semaphore(segment.names.wake_sem(0))
+    given_up: list[str] = []
+
+    def wait(ready, abort=None, timeout=30.0):
+        return wait_with_abort(ready, deadline=time.monotonic() + timeout, wake=sem,
+                               interval_s=0.01, timed_out=lambda: _Boom("timed out"),
+                               abort=abort, give_up=lambda: given_up.append("x"))
+
+    try:
+        answers = iter([None, None, 7])
+        assert wait(lambda: next(answers)) == 7 and given_up == []
+        assert wait(lambda: 0, abort=lambda: _Boom("never asked")) == 0  # 0 is a result
+
+        def peer_gave_up():
+            raise _Boom("peer gave up")
+
+        with pytest.raises(_Boom, match="peer gave up"):
+            wait(peer_gave_up, abort=lambda: _Boom("abort"))  # ready() comes first
+        assert given_up == ["x"]
+        with pytest.raises(_Boom, match="rank 2 failed"):
+            wait(lambda: None, abort=lambda: _Boom("rank 2 failed"), timeout=0)  # before deadline
+        assert given_up == ["x", "x"]
+        t0 = time.monotonic()
+        with pytest.raises(_Boom, match="timed out"):
+            wait(lambda: None, abort=lambda: None, timeout=0.2)
+        assert 0.2 <= time.monotonic() - t0 < 5
+        assert given_up == ["x", "x", "x"]
+    finally:
+        sem.close()
+
+
+def test_wait_with_abort_wakes_on_the_semaphore(segment):
+    """A post ends the sleep at once: the interval (60 s here) is only the fallback."""
+    waiter_sem = posix_ipc.Semaphore(segment.names.wake_sem(0))
+    poster_sem = posix_ipc.Semaphore(segment.names.wake_sem(0))
+    checks: list[int] = []
+    flag = threading.Event()
+
+    def ready():
+        checks.append(1)
+        return True if flag.is_set() else None
+
+    def poster():
+        poll_until(lambda: True if checks else None, time.monotonic() + 20)
+        flag.set()
+        poster_sem.release()
+
+    t = threading.Thread(target=poster)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        assert wait_with_abort(ready, deadline=time.monotonic() + 120, wake=waiter_sem,
+                               interval_s=60, timed_out=lambda: _Boom("timed out")) is True
+        assert time.monotonic() - t0 < 30
+    finally:
+        t.join(30)
+        waiter_sem.close()
+        poster_sem.close()
+
+
+def test_layer_wait_outcomes(segment):
+    """LayerProgress.wait: done, failed (TransferFailed naming the rank), a layer the load
+    does not have, never started; its error messages are part of the contract."""
+    writer, reader = LayerProgress(segment, 1), LayerProgress(segment, 1)
+    try:
+        entry = writer.begin(41, 3)
+        writer.advance(entry, 1)
+        reader.wait(41, 0, timeout=5)  # layer 0 is done
+        with pytest.raises(ValueError, match="task 41 loads 3 layers; layer 3 does not exist"):
+            reader.wait(41, 3, timeout=5)
+        writer.finish(entry, ok=False)
+        with pytest.raises(TransferFailed) as ei:
+            reader.wait(41, 1, timeout=30)
+        assert ei.value.code == ErrorCode.TRANSFER_FAILED
+        assert "rank 1" in str(ei.value) and "failed after 1 of 3 layers" in str(ei.value)
+        reader.wait(41, 0, timeout=5)  # a layer finished before the failure stays done
+        with pytest.raises(RankTimeout, match=r"rank 1: layer 0 of task 42 not ready after "
+                                              r"0\.050s \(not started\)"):
+            reader.wait(42, 0, timeout=0.05)
+        entry = writer.begin(43, 2)
+        with pytest.raises(RankTimeout, match=r"\(0 of 2 layers done\)"):
+            reader.wait(43, 1, timeout=0.05)
+    finally:
+        writer.close()
+        reader.close()
 
 
 def test_teardown_leaves_nothing(namespaces):

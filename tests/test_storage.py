@@ -348,6 +348,13 @@ def test_unknown_scheme_lists_the_registered_ones():
     assert all(f"{s}://" in msg for s in registered_schemes()), msg
 
 
+def test_a_scheme_registered_twice_is_refused():
+    from kvswap.daemon.storage import BackendEntry, _by_scheme
+
+    with pytest.raises(ValueError, match="'file' is registered twice in BACKENDS"):
+        _by_scheme([*BACKENDS, BackendEntry(("s3", "file"), "s3", "S3Backend")])
+
+
 @pytest.mark.parametrize("entry", BACKENDS, ids=lambda e: e.module)
 def test_every_registered_backend_implements_the_interface(entry):
     """A registration line names a module and class that exist and have the interface

@@ -296,12 +296,19 @@ BACKENDS: tuple[BackendEntry, ...] = (
     BackendEntry(("redis", "rediss", "unix"), "redis", "RedisBackend", extra="redis"),
 )
 
-_BY_SCHEME: dict[str, BackendEntry] = {}
-for _entry in BACKENDS:
-    for _scheme in _entry.schemes:
-        assert _scheme not in _BY_SCHEME, f"storage scheme {_scheme!r} registered twice"
-        _BY_SCHEME[_scheme] = _entry
-del _entry, _scheme
+
+def _by_scheme(entries: Sequence[BackendEntry]) -> dict[str, BackendEntry]:
+    out: dict[str, BackendEntry] = {}
+    for entry in entries:
+        for scheme in entry.schemes:
+            if scheme in out:
+                raise ValueError(f"storage scheme {scheme!r} is registered twice in BACKENDS "
+                                 f"({out[scheme].module} and {entry.module})")
+            out[scheme] = entry
+    return out
+
+
+_BY_SCHEME = _by_scheme(BACKENDS)
 
 
 def registered_schemes() -> list[str]:

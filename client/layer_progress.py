@@ -22,7 +22,7 @@ import numpy as np
 import posix_ipc
 
 from kvswap.client.errors import ErrorCode, RankFailure, RankTimeout, TransferFailed
-from kvswap.client.signals import LAYER_SLOTS, L, LayerState, SignalSegment
+from kvswap.client.signals import LAYER_SLOTS, L, LayerState, SignalSegment, wait_with_abort
 
 _WAKE_CHECK_S = 0.002
 
@@ -83,27 +83,31 @@ class LayerProgress:
         """Return once layer index ``layer`` of ``task_id`` is complete on this rank."""
         if layer < 0:
             raise ValueError(f"layer must be >= 0, got {layer}")
-        deadline = time.monotonic() + timeout
-        while True:
-            st = self.status(task_id)
-            if st is not None:
-                done, total, state = st
-                if layer >= total:
-                    raise ValueError(f"task {task_id} loads {total} layers; layer {layer} "
-                                     f"does not exist")
-                if done > layer:
-                    return
-                if state is LayerState.FAILED:
-                    raise TransferFailed(task_id, "load", [RankFailure(
-                        self.rank, ErrorCode.TRANSFER_FAILED,
-                        f"layer-wise load failed after {done} of {total} layers")])
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                where = ("not started" if st is None
-                         else f"{st[0]} of {st[1]} layers done")
-                raise RankTimeout(f"rank {self.rank}: layer {layer} of task {task_id} not ready "
-                                  f"after {timeout:.3f}s ({where})")
-            try:
-                self._sem.acquire(min(remaining, _WAKE_CHECK_S))
-            except posix_ipc.BusyError:
-                pass
+        seen: list[tuple[int, int, LayerState] | None] = [None]  # the last status read
+
+        def layer_done() -> bool | None:
+            st = seen[0] = self.status(task_id)
+            if st is None:
+                return None
+            done, total, _ = st
+            if layer >= total:
+                raise ValueError(f"task {task_id} loads {total} layers; layer {layer} "
+                                 f"does not exist")
+            return True if done > layer else None
+
+        def failed() -> TransferFailed | None:
+            st = seen[0]
+            if st is None or st[2] is not LayerState.FAILED:
+                return None
+            return TransferFailed(task_id, "load", [RankFailure(
+                self.rank, ErrorCode.TRANSFER_FAILED,
+                f"layer-wise load failed after {st[0]} of {st[1]} layers")])
+
+        def timed_out() -> RankTimeout:
+            st = seen[0]
+            where = "not started" if st is None else f"{st[0]} of {st[1]} layers done"
+            return RankTimeout(f"rank {self.rank}: layer {layer} of task {task_id} not ready "
+                               f"after {timeout:.3f}s ({where})")
+
+        wait_with_abort(layer_done, deadline=time.monotonic() + timeout, wake=self._sem,
+                        interval_s=_WAKE_CHECK_S, abort=failed, timed_out=timed_out)

@@ -15,16 +15,18 @@ device -> host, ``load`` host -> device.
 Compatibility: unknown header fields are ignored; a different *major* version
 is rejected with VERSION_MISMATCH; minor versions only ever add fields.
 
-Adding an op (``pause``, ``clear`` ...) is one :data:`OPS` entry here plus one
-handler in the daemon's handler table (the daemon checks at start-up that every
-op has a handler).
+Adding an op (``pause``, ``clear`` ...) is one :data:`OPS` entry here (its
+fields, frames, handler kind, reply fields and, for a scheduled op, its lane)
+plus one handler in the daemon's handler table (the daemon checks at start-up
+that every op has a handler of the right shape), plus its row in
+``docs/protocol.md`` section 4 (a test holds the two equal).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, Union
 
 import msgpack
 import numpy as np
@@ -73,15 +75,46 @@ class HandlerKind(enum.Enum):
     TRANSFER = "transfer"  # validated by the I/O thread, run by the hazard-ordered scheduler
 
 
+class Lane(enum.Enum):
+    """Which worker pool of a rank's scheduler runs a TRANSFER op.  Two pools, so that
+    a slow or dead store never holds up evicts and loads."""
+
+    NONE = "none"  # not scheduled (INLINE and SERIAL ops)
+    TRANSFER = "transfer"  # the copy workers
+    STORAGE = "storage"  # the storage thread
+
+
+FieldType = Union[type, tuple[type, ...]]  # a field's type, or the types it may have
+
+
 @dataclass(frozen=True)
 class OpSpec:
+    """Everything about one op, stated once.
+
+    Derived from this table rather than restated: the scheduler's lanes and the
+    order in which a free worker looks at them (``daemon/scheduler.py`` LANES), the
+    daemon's set of storage ops, the latency histograms of the signal segment
+    (``client/signals.py`` HIST_OPS: the ``timed`` ops in table order, which is part
+    of the shm layout), the ops a ``batch`` may carry.  Checked against it: the
+    daemon's handler table (at start-up), the op table of ``docs/protocol.md``
+    section 4 and every op's reply fields against a live daemon (tests).
+    """
+
     op: Op
-    fields: Mapping[str, type | tuple[type, ...]]  # required header fields and their types
+    fields: Mapping[str, FieldType]  # required header fields and their types
     id_frames: int | None  # raw id frames after the header (None: the handler checks)
     kind: HandlerKind
-    reply: tuple[str, ...]  # reply fields beyond the common ones
-    doc: str
-    optional: Mapping[str, type | tuple[type, ...]] = field(default_factory=dict)
+    reply: Mapping[str, FieldType]  # fields of an OK reply beyond the common ones, and their types
+    optional: Mapping[str, FieldType] = field(default_factory=dict)
+    lane: Lane = Lane.NONE  # TRANSFER ops: the scheduler's worker pool that runs it
+    urgent: bool = False  # a request waits for it: its lane's workers take it before the others
+    timed: bool = False  # latency histograms (queued, exec) in the signal segment
+
+    def __post_init__(self) -> None:
+        if (self.kind is HandlerKind.TRANSFER) != (self.lane is not Lane.NONE):
+            raise ValueError(f"{self.op.value}: exactly the TRANSFER ops have a lane")
+        if (self.urgent or self.timed) and self.lane is Lane.NONE:
+            raise ValueError(f"{self.op.value}: only a scheduled op can be urgent or timed")
 
 
 # Fields any request may carry (docs/protocol.md section 3): the sending client's id, the
@@ -92,49 +125,37 @@ COMMON_OPTIONAL: dict[str, type] = {"cid": int, "cs": int, "re": bool}
 # task with RANK_RESTARTED, so nothing addressed to a dead daemon runs on its successor
 # out of order.
 _TRANSFER_OPTIONAL = {"priority": int, "layerwise": bool, "ep": list}
+_COPY_REPLY = {"bytes": int, "merged": int}
 
 OPS: dict[Op, OpSpec] = {
     spec.op: spec
     for spec in (
         OpSpec(Op.REGISTER, {"backend": str, "tensors": list}, 0, HandlerKind.SERIAL,
-               ("num_device_blocks", "num_host_blocks"),
-               "attach the rank's cache tensors and create its host swap space"),
-        OpSpec(Op.EVICT, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, ("bytes", "merged"),
-               "copy device blocks -> host blocks for every tensor", _TRANSFER_OPTIONAL),
-        OpSpec(Op.LOAD, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, ("bytes", "merged"),
-               "copy host blocks -> device blocks for every tensor; layerwise=true copies "
-               "layer by layer and publishes per-layer progress", _TRANSFER_OPTIONAL),
-        OpSpec(Op.BATCH, {"ids": str, "tasks": list}, None, HandlerKind.INLINE, ("accepted",),
-               "many evict/load tasks in one message: two id frames per task, each task "
-               "answered under its own id", {"ep": list}),
-        OpSpec(Op.CANCEL, {"target": int}, 0, HandlerKind.INLINE, ("cancelled",),
-               "cancel a task of this connection that has not started"),
-        OpSpec(Op.BACKUP, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, ("count", "skipped"),
-               "host blocks -> storage: frames are the host ids and n 32-byte keys; keys "
-               "already stored are skipped", {"ep": list, "priority": int}),
-        OpSpec(Op.PREFETCH, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, ("count",),
-               "storage -> host blocks: frames are the host ids and n 32-byte keys; the "
-               "ranks agree on how many leading keys every rank loaded", {"ep": list,
-                                                                           "priority": int}),
-        OpSpec(Op.EXISTS, {"n": int}, 1, HandlerKind.TRANSFER, ("count",),
-               "how many leading keys (one frame of n 32-byte keys) this rank has stored",
-               {"ep": list}),
-        OpSpec(Op.PAUSE, {}, 0, HandlerKind.INLINE, (),
-               "refuse new transfers (PAUSED); answered once every accepted task finished"),
-        OpSpec(Op.RESUME, {}, 0, HandlerKind.INLINE, (), "accept transfers again"),
-        OpSpec(Op.CLEAR, {}, 0, HandlerKind.SERIAL, (),
-               "drain, release the device mappings (and the host pool if free_host), "
-               "barrier with every rank, state CLEARED", {"free_host": bool}),
-        OpSpec(Op.RESTORE, {}, 0, HandlerKind.INLINE, (),
-               "CLEARED -> ATTACHING: accept the worker's new register"),
-        OpSpec(Op.PING, {}, 0, HandlerKind.INLINE, ("state", "epoch", "pid"),
-               "liveness and state"),
-        OpSpec(Op.STATS, {}, 0, HandlerKind.INLINE, ("counters",),
-               "the rank's counters"),
-        OpSpec(Op.SHUTDOWN, {}, 0, HandlerKind.INLINE, (),
-               "stop accepting, fail queued tasks, finish running ones, exit"),
+               {"num_device_blocks": int, "num_host_blocks": int}),
+        OpSpec(Op.EVICT, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, _COPY_REPLY,
+               _TRANSFER_OPTIONAL, lane=Lane.TRANSFER, timed=True),
+        OpSpec(Op.LOAD, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, _COPY_REPLY,
+               _TRANSFER_OPTIONAL, lane=Lane.TRANSFER, urgent=True, timed=True),
+        OpSpec(Op.BATCH, {"ids": str, "tasks": list}, None, HandlerKind.INLINE,
+               {"accepted": int}, {"ep": list}),
+        OpSpec(Op.CANCEL, {"target": int}, 0, HandlerKind.INLINE, {"cancelled": bool}),
+        OpSpec(Op.BACKUP, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER,
+               {"count": int, "skipped": int}, {"ep": list, "priority": int},
+               lane=Lane.STORAGE, timed=True),
+        OpSpec(Op.PREFETCH, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, {"count": int},
+               {"ep": list, "priority": int}, lane=Lane.STORAGE, urgent=True, timed=True),
+        OpSpec(Op.EXISTS, {"n": int}, 1, HandlerKind.TRANSFER, {"count": int}, {"ep": list},
+               lane=Lane.STORAGE),
+        OpSpec(Op.PAUSE, {}, 0, HandlerKind.INLINE, {}),
+        OpSpec(Op.RESUME, {}, 0, HandlerKind.INLINE, {}),
+        OpSpec(Op.CLEAR, {}, 0, HandlerKind.SERIAL, {}, {"free_host": bool}),
+        OpSpec(Op.RESTORE, {}, 0, HandlerKind.INLINE, {}),
+        OpSpec(Op.PING, {}, 0, HandlerKind.INLINE, {"state": str, "epoch": int, "pid": int}),
+        OpSpec(Op.STATS, {}, 0, HandlerKind.INLINE, {"counters": dict}),
+        OpSpec(Op.SHUTDOWN, {}, 0, HandlerKind.INLINE, {}),
     )
 }
+
 
 def packb(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
@@ -465,6 +486,8 @@ def encode_transfer(op: Op, req_id: int, device_ids: np.ndarray, host_ids: np.nd
 
 
 _BATCH_TASK_FIELDS = {"id": int, "op": str, "n": int}
+# The ops a ``batch`` may carry: the copies (the transfer lane).
+_BATCH_OP_NAMES = tuple(op.value for op, spec in OPS.items() if spec.lane is Lane.TRANSFER)
 
 
 @dataclass(frozen=True)
@@ -494,9 +517,10 @@ def decode_batch(req: Request) -> list[BatchTask]:
                 raise RequestError(ErrorCode.BAD_FIELD,
                                    f"batch task {i}: field {name!r} missing or not "
                                    f"{t.__name__}", req.id)
-        if item["op"] not in (Op.EVICT.value, Op.LOAD.value):
+        if item["op"] not in _BATCH_OP_NAMES:
             raise RequestError(ErrorCode.BAD_FIELD,
-                               f"batch task {i}: op must be evict or load", req.id)
+                               f"batch task {i}: op must be {' or '.join(_BATCH_OP_NAMES)}",
+                               req.id)
         op = Op(item["op"])
         for name, t in OPS[op].optional.items():
             if name in item and not _is_type(item[name], t):

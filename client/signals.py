@@ -74,6 +74,7 @@ from kvswap.client.errors import (
     RankTimeout,
 )
 from kvswap.client.naming import Names
+from kvswap.client.protocol import OPS
 
 MAGIC = int.from_bytes(b"KVSWAPSG", "little")
 LAYOUT_VERSION = 4
@@ -92,7 +93,11 @@ AGREE_TABLE_BYTES = AGREE_SLOTS * AGREE_ENTRY_SLOTS * 8
 # Latency histograms: per rank, per timed op, per phase, log2 buckets of
 # microseconds (bucket b counts values in [2^(b-1), 2^b) us; bucket 0 is < 1 us;
 # the last bucket also takes everything longer), then a count and a sum (us).
-HIST_OPS = ("evict", "load", "backup", "prefetch")
+# The timed ops are those the op table marks ``timed``, in its order; that order
+# is part of this layout (drawn above and in docs/signals.md; a test holds the
+# three equal), so a new timed op goes after the existing timed ones in the op
+# table and bumps LAYOUT_VERSION.
+HIST_OPS: tuple[str, ...] = tuple(op.value for op, spec in OPS.items() if spec.timed)
 HIST_PHASES = ("queued", "exec")
 HIST_BUCKETS = 26  # up to 2^25 us (33 s) before the open last bucket
 HIST_SLOTS = HIST_BUCKETS + 2  # buckets, count, sum_us
@@ -167,12 +172,16 @@ RANK_FIELDS: tuple[Slot, ...] = (
     Slot("cache_ready", 4, "daemon control thread", "status", "1 while caches are attached"),
     Slot("swap_ready", 5, "daemon control thread", "status", "1 while the host pool exists"),
     Slot("inflight", 6, "daemon I/O thread", "daemon control thread (clear drain), status",
-         "transfer tasks accepted and not yet answered"),
-    Slot("completed", 7, "daemon I/O thread", "status", "transfer tasks completed"),
+         "tasks of TRANSFER ops (copies and storage ops) accepted and not yet answered"),
+    Slot("completed", 7, "daemon I/O thread", "status",
+         "tasks of TRANSFER ops (copies and storage ops) answered OK"),
     Slot("failed", 8, "daemon I/O thread", "status",
-         "requests rejected or transfers failed (cancelled tasks not counted)"),
-    Slot("bytes_evicted", 9, "daemon I/O thread", "status", "bytes copied device -> host"),
-    Slot("bytes_loaded", 10, "daemon I/O thread", "status", "bytes copied host -> device"),
+         "requests rejected, or tasks of TRANSFER ops answered with an error other than "
+         "CANCELLED"),
+    Slot("bytes_evicted", 9, "daemon I/O thread", "status",
+         "bytes copied device -> host by successful evicts"),
+    Slot("bytes_loaded", 10, "daemon I/O thread", "status",
+         "bytes copied host -> device by successful loads"),
     Slot("num_device_blocks", 11, "daemon control thread", "client (range checks), status",
          "blocks per device tensor"),
     Slot("num_host_blocks", 12, "daemon control thread", "client (range checks), status",
@@ -549,6 +558,51 @@ def poll_until(check: Callable[[], T | None], deadline: float,
         sleep = min(sleep * 2, max_sleep)
 
 
+def wait_with_abort(ready: Callable[[], T | None], *, deadline: float,
+                    wake: posix_ipc.Semaphore, interval_s: float,
+                    timed_out: Callable[[], Exception],
+                    abort: Callable[[], Exception | None] | None = None,
+                    give_up: Callable[[], None] | None = None) -> T:
+    """Wait for ``ready()`` to return non-None and return that; the one loop behind every
+    wait on other processes that must end early when one of them fails
+    (:meth:`Barrier.wait`, ``Agreement.agree``, ``LayerProgress.wait``).
+
+    Each turn, in this order (the order decides which error a turn that meets
+    several conditions raises):
+
+    1. ``ready()``: a result ends the wait.  It may raise instead, for what it sees
+       while reading (a peer's abort mark, a layer that does not exist).
+    2. ``abort()``: the exception to raise now, or None: the caller was cancelled, or
+       a participant is FAILED or silent (the exception names it).
+    3. the monotonic ``deadline``: once past it, raise ``timed_out()``.
+
+    Whatever ends the wait with an exception, ``give_up()`` runs first (a barrier
+    withdraws its arrival, an agreement marks its round aborted for its peers).
+    Between turns it sleeps on ``wake``, which whoever changes what ``ready`` reads
+    posts, so a waiter wakes at once instead of spinning; but at most ``interval_s``,
+    so a participant that dies without posting is still noticed.
+    """
+    while True:
+        try:
+            result = ready()
+            if result is not None:
+                return result
+            error = abort() if abort is not None else None
+            remaining = deadline - time.monotonic()
+            if error is None and remaining <= 0:
+                error = timed_out()
+            if error is not None:
+                raise error
+        except Exception:
+            if give_up is not None:
+                give_up()
+            raise
+        try:
+            wake.acquire(min(remaining, interval_s))
+        except posix_ipc.BusyError:
+            pass
+
+
 # ---------------------------------------------------------------------- semaphores
 
 
@@ -614,42 +668,46 @@ class Barrier:
     def wait(self, timeout: float, what: str = "barrier",
              cancelled: Callable[[], bool] | None = None) -> int:
         """Arrive and wait for every participant; ``cancelled`` is polled with the
-        abort checks and makes the wait raise :class:`BarrierAborted`."""
+        abort checks and makes the wait raise :class:`BarrierAborted`.  A completed
+        barrier wins over a cancel seen in the same turn: the others may have passed
+        it already, so this rank must not withdraw."""
         me = self.seg.rank(self.rank)
         target = me[R.BARRIER_ARRIVALS] + 1
         me[R.BARRIER_ARRIVALS] = target
         for sem in self._others:
             sem.release()
-        deadline = time.monotonic() + timeout
-        while True:
-            missing = self._missing(target)
-            if not missing:
-                return target
+        missing: list[int] = []  # as of the last check
+
+        def everyone_arrived() -> int | None:
+            missing[:] = self._missing(target)
+            return None if missing else target
+
+        def abort() -> BarrierAborted | None:
             if cancelled is not None and cancelled():
-                me[R.BARRIER_ARRIVALS] = target - 1
-                raise BarrierAborted(f"{what} (generation {target}) on rank {self.rank} cancelled")
+                return BarrierAborted(f"{what} (generation {target}) on rank {self.rank} "
+                                      f"cancelled")
             now = now_ns()
             for p in missing:
                 state = self.seg.state_of(p)
                 age = self.seg.heartbeat_age_s(p, now)
                 if state == RankState.FAILED or (age is not None and age > self.stale_after_s):
-                    me[R.BARRIER_ARRIVALS] = target - 1
                     why = "is FAILED" if state == RankState.FAILED else (
                         f"has not beaten for {age:.1f}s")
-                    raise BarrierAborted(
-                        f"{what} (generation {target}) on rank {self.rank} aborted: "
-                        f"rank {p} {why}")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                me[R.BARRIER_ARRIVALS] = target - 1
-                detail = ", ".join(f"rank {p} ({self.seg.state_of(p).name})" for p in missing)
-                raise BarrierTimeout(
-                    f"{what} (generation {target}) on rank {self.rank} timed out after "
-                    f"{timeout:.1f}s waiting for {detail}")
-            try:
-                self._own.acquire(min(remaining, self.ABORT_CHECK_S))
-            except posix_ipc.BusyError:
-                pass
+                    return BarrierAborted(f"{what} (generation {target}) on rank {self.rank} "
+                                          f"aborted: rank {p} {why}")
+            return None
+
+        def timed_out() -> BarrierTimeout:
+            detail = ", ".join(f"rank {p} ({self.seg.state_of(p).name})" for p in missing)
+            return BarrierTimeout(f"{what} (generation {target}) on rank {self.rank} timed out "
+                                  f"after {timeout:.1f}s waiting for {detail}")
+
+        def withdraw() -> None:
+            me[R.BARRIER_ARRIVALS] = target - 1
+
+        return wait_with_abort(everyone_arrived, deadline=time.monotonic() + timeout,
+                               wake=self._own, interval_s=self.ABORT_CHECK_S, abort=abort,
+                               timed_out=timed_out, give_up=withdraw)
 
 
 def wait_ranks(seg: SignalSegment, ranks: Iterable[int], want: Callable[[int], bool],

@@ -27,6 +27,7 @@ from kvswap.client.signals import (
     RankState,
     SignalSegment,
     now_ns,
+    wait_with_abort,
 )
 
 _CHECK_S = 0.02
@@ -98,36 +99,40 @@ class Agreement:
             self._give_up(idx, task_id, rnd, last_round)
             raise KvswapError(f"{what}: cancelled", ErrorCode.CANCELLED)
         idx = self._post(task_id, rnd, value, AgreeState.POSTED)
-        deadline = time.monotonic() + timeout
-        while True:
+        missing: list[int] = []  # as of the last read
+
+        def everyone_posted() -> int | None:
+            # The cancel is checked here, before the read, rather than in abort(): a
+            # rank that was cancelled answers CANCELLED even when, in the same turn, a
+            # peer's abort mark is visible.
             if rnd < last_round and cancelled is not None and cancelled():
-                self._give_up(idx, task_id, rnd, last_round)
                 raise KvswapError(f"{what}: cancelled", ErrorCode.CANCELLED)
-            values, missing = [], []
+            values: list[int] = []
+            missing.clear()
             for p in range(self.seg.tp_size):
                 got = self._read(p, task_id, rnd)
                 if got is None:
                     missing.append(p)
-                    continue
-                if got[1] is AgreeState.ABORTED:
-                    self._give_up(idx, task_id, rnd, last_round)
+                elif got[1] is AgreeState.ABORTED:
                     raise BarrierAborted(f"{what}: rank {p} gave up")
-                values.append(got[0])
-            if not missing:
-                return min(values)
+                else:
+                    values.append(got[0])
+            return None if missing else min(values)
+
+        def abort() -> BarrierAborted | None:
             now = now_ns()
             for p in missing:
                 age = self.seg.heartbeat_age_s(p, now)
                 if self.seg.state_of(p) == RankState.FAILED or (
                         age is not None and age > self.stale_after_s):
-                    self._give_up(idx, task_id, rnd, last_round)
-                    raise BarrierAborted(f"{what}: rank {p} is FAILED or silent")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._give_up(idx, task_id, rnd, last_round)
-                raise BarrierTimeout(f"{what} timed out after {timeout:.1f}s waiting for rank(s) "
-                                     f"{', '.join(map(str, missing))}")
-            try:
-                self._own.acquire(min(remaining, _CHECK_S))
-            except posix_ipc.BusyError:
-                pass
+                    return BarrierAborted(f"{what}: rank {p} is FAILED or silent")
+            return None
+
+        def timed_out() -> BarrierTimeout:
+            return BarrierTimeout(f"{what} timed out after {timeout:.1f}s waiting for rank(s) "
+                                  f"{', '.join(map(str, missing))}")
+
+        return wait_with_abort(everyone_posted, deadline=time.monotonic() + timeout,
+                               wake=self._own, interval_s=_CHECK_S, abort=abort,
+                               timed_out=timed_out,
+                               give_up=lambda: self._give_up(idx, task_id, rnd, last_round))

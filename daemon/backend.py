@@ -19,7 +19,7 @@ from kvswap.client.naming import Names
 from kvswap.client.protocol import Op
 from kvswap.client.shm_region import ShmRegion
 from kvswap.daemon.swap_space import HostSwapSpace
-from kvswap.kernels.host_copy import BlockCopier
+from kvswap.kernels.host_copy import HostPlanCopier
 from kvswap.kernels.planner import plan_copy
 
 log = logging.getLogger("kvswap.daemon.backend")
@@ -58,7 +58,7 @@ class HostBackend:
         self.names = names
         self.rank = rank
         self._regions: list[ShmRegion] = []
-        self._copier: BlockCopier | None = None  # (device, host) pairs
+        self._copier: HostPlanCopier | None = None  # (device, host) pairs
 
     def attach(self, tensors: Sequence[TensorDesc], swap: HostSwapSpace) -> None:
         prefix = f"/{self.names.prefix}dev.r{self.rank}."
@@ -87,7 +87,7 @@ class HostBackend:
                 r.close()
             raise
         self.detach()
-        self._regions, self._copier = regions, BlockCopier(pairs)
+        self._regions, self._copier = regions, HostPlanCopier(pairs)
 
     def copy(self, op: Op, device_ids: np.ndarray, host_ids: np.ndarray,
              tensors: Sequence[int] | None = None) -> int:

@@ -11,7 +11,7 @@ swap space pinned and mapped for the GPU.
    tensor fits in what was opened;
 3. pin the shm pool with ``cudaHostRegister(portable | mapped)`` in chunks,
    after faulting its pages in from several threads, publishing progress;
-4. build the :class:`~kvswap.kernels.cuda_copy.BlockCopier` (kernel table,
+4. build the :class:`~kvswap.kernels.cuda_copy.CudaTaskCopier` (kernel table,
    streams, id buffers).
 
 ``detach`` undoes it in reverse: every chunk is unregistered and every handle
@@ -51,7 +51,7 @@ from kvswap.client.naming import Names
 from kvswap.client.protocol import Op
 from kvswap.daemon.swap_space import HostSwapSpace
 from kvswap.kernels.cuda_copy import (
-    BlockCopier,
+    CudaTaskCopier,
     CudaUnavailable,
     TensorPointers,
     check_nvrtc,
@@ -304,7 +304,7 @@ class _Attached:
     pointers: list[TensorPointers]
     mappings: IpcMappings
     pinned: PinnedHostRange
-    copier: BlockCopier
+    copier: CudaTaskCopier
     num_device_blocks: int
     num_host_blocks: int
 
@@ -409,7 +409,7 @@ class CudaBackend:
     def _map(self, ordinal: int, tensors: list[TensorDesc], locations: list[CudaLocation],
              groups: list[AllocationGroup], swap: HostSwapSpace, region: np.ndarray,
              progress: Callable[[int], None],
-             ) -> tuple[list[TensorPointers], IpcMappings, PinnedHostRange, BlockCopier]:
+             ) -> tuple[list[TensorPointers], IpcMappings, PinnedHostRange, CudaTaskCopier]:
         """Open the allocations, pin the pool, build the copier (current device:
         ``ordinal``); on failure release what was taken."""
         runtime = self._cupy.cuda.runtime
@@ -428,7 +428,7 @@ class CudaBackend:
                                _address(host), _address(host) + pinned.mapped_delta,
                                t.bytes_per_block)
                 for t, loc, host in zip(tensors, locations, swap.blocks)]
-            copier = BlockCopier(ordinal, pointers, pinned.boundaries, self.memcpy_run_blocks)
+            copier = CudaTaskCopier(ordinal, pointers, pinned.boundaries, self.memcpy_run_blocks)
         except BaseException:
             pinned.unpin()
             mappings.close()

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from kvswap.client.protocol import Op
+from kvswap.client.protocol import OPS, Lane, Op
 
 
 class TaskState(enum.Enum):
@@ -69,12 +69,14 @@ class Task:
 
 RunBatch = Callable[[list[Task]], None]
 
-# Which worker pool runs an op, and the order in which a free worker of that pool
-# looks at the ready heaps: loads (on a request's critical path) before evicts;
-# prefetches (a request waits for them) before backups.
+# Which worker pool runs an op (its OpSpec.lane), and the order in which a free
+# worker of that pool looks at the ready heaps: the lane's urgent ops (a request
+# waits for them: loads, prefetches) before the others, each group in op-table
+# order.  Derived from the op table, so that a new op states its lane once.
 LANES: dict[str, tuple[Op, ...]] = {
-    "transfer": (Op.LOAD, Op.EVICT),
-    "storage": (Op.PREFETCH, Op.BACKUP, Op.EXISTS),
+    lane.value: tuple(sorted((op for op, spec in OPS.items() if spec.lane is lane),
+                             key=lambda op: not OPS[op].urgent))
+    for lane in (Lane.TRANSFER, Lane.STORAGE)
 }
 
 

@@ -49,6 +49,7 @@ from kvswap.client.naming import Names
 from kvswap.client.protocol import (
     OPS,
     HandlerKind,
+    Lane,
     Op,
     Request,
     RequestError,
@@ -81,14 +82,14 @@ from kvswap.daemon.agreement import Agreement
 from kvswap.daemon.backend import Backend, make_backend
 from kvswap.daemon.config import DaemonConfig
 from kvswap.daemon.journal import JOURNALED_OPS, Journal
-from kvswap.daemon.scheduler import LANES, Scheduler, Task, TaskState, concat_ids
+from kvswap.daemon.scheduler import Scheduler, Task, TaskState, concat_ids
 from kvswap.daemon.state import StateMachine
 from kvswap.daemon.swap_space import HostSwapSpace
 
 log = logging.getLogger("kvswap.daemon")
 
 _STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
-STORAGE_OPS = frozenset(LANES["storage"])
+STORAGE_OPS = frozenset(op for op, spec in OPS.items() if spec.lane is Lane.STORAGE)
 _HIST_INDEX = {Op(name): i for i, name in enumerate(HIST_OPS)}
 
 

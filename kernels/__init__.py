@@ -5,6 +5,6 @@ The planner is shared by every backend; the CUDA kernels and their loader
 """
 
 from kvswap.kernels.planner import CopyPlan, plan_copy
-from kvswap.kernels.host_copy import BlockCopier
+from kvswap.kernels.host_copy import HostPlanCopier
 
-__all__ = ["BlockCopier", "CopyPlan", "plan_copy"]
+__all__ = ["HostPlanCopier", "CopyPlan", "plan_copy"]

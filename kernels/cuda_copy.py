@@ -16,7 +16,7 @@ Each direction has one non-blocking stream (loads at a higher priority than
 evicts, since an engine waits on loads while evicts are background work) and
 an event; a task is complete when its event is.
 
-Everything above :class:`BlockCopier` is pure (numpy only) and tested on the
+Everything above :class:`CudaTaskCopier` is pure (numpy only) and tested on the
 CPU; cupy is imported lazily, only by the GPU paths.
 """
 
@@ -340,8 +340,10 @@ class _Selection:
     bytes_per_id: int
 
 
-class BlockCopier:
-    """Moves task blocks between device tensors and registered (mapped) host memory.
+class CudaTaskCopier:
+    """Moves a task's blocks between device tensors and registered (mapped) host memory
+    (the ``cuda`` backend; the ``host`` backend's counterpart is
+    :class:`~kvswap.kernels.host_copy.HostPlanCopier`).
 
     ``host_boundaries`` are the host addresses where a new cudaHostRegister
     chunk begins; memcpy runs are cut there.  Thread-safe: tasks of one
@@ -426,7 +428,7 @@ class BlockCopier:
 
 
 __all__ = [
-    "BlockCopier", "CudaUnavailable", "DEFAULT_MEMCPY_RUN_BLOCKS", "MEMCPY_RUN_BLOCKS_ENV",
+    "CudaTaskCopier", "CudaUnavailable", "DEFAULT_MEMCPY_RUN_BLOCKS", "MEMCPY_RUN_BLOCKS_ENV",
     "MemcpyOp", "SEGMENT_BYTES", "SplitPlan", "TABLE_DTYPE", "TensorPointers",
     "build_arg_table", "check_nvrtc", "get_kernel", "grow_capacity", "import_cupy",
     "kernel_args", "kernel_source", "launch_geometry", "memcpy_ops",

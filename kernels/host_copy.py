@@ -2,14 +2,14 @@
 
 Each tensor is a block-major, C-contiguous array, so block ``b`` of a tensor is
 the byte range ``[base + b * bpb, base + (b + 1) * bpb)``.  The engine resolves
-every tensor's base addresses once (:class:`BlockCopier`) and moves a whole
+every tensor's base addresses once (:class:`HostPlanCopier`) and moves a whole
 task, every run of every tensor, in one call into the compiled loop
 ``kvswap.kernels._hostcopy.copy_runs`` (memcpy per run, GIL released): a
 per-run Python call would cost as much as copying a 4 KiB block.  Large tasks
 split their tensors over two threads, since the loop runs without the GIL.  It
 is dtype-agnostic (bf16, fp8, scales ...).
 
-Raw-pointer copies trust their indices, so :meth:`BlockCopier.copy` checks the
+Raw-pointer copies trust their indices, so :meth:`HostPlanCopier.copy` checks the
 plan against both block counts before the first byte moves (the daemon has
 validated the task already; this is the last line of defence against a bug
 writing outside a mapping).
@@ -37,12 +37,15 @@ def as_block_bytes(arr: np.ndarray) -> np.ndarray:
     return arr.reshape(arr.shape[0], -1).view(np.uint8)
 
 
-class BlockCopier:
-    """Copies blocks between the two sides of several (A, B) tensor pairs.
+class HostPlanCopier:
+    """Runs a :class:`CopyPlan` between the two sides of several (A, B) pairs of
+    block arrays in host memory (the ``host`` backend: device and host side are shm).
 
     ``pairs`` are (A, B) block-major arrays; they are kept referenced, so the
     memory stays mapped while the copier lives.  Thread-safe for plans that do not
-    overlap.
+    overlap.  Its counterpart on a GPU is
+    :class:`~kvswap.kernels.cuda_copy.CudaTaskCopier`, which takes a task's id
+    lists rather than a plan because it splits them between copy engines and a kernel.
     """
 
     def __init__(self, pairs: Sequence[tuple[np.ndarray, np.ndarray]]):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark kvswap's CUDA data mover against cudaMemcpyAsync, per direction.
 
-Runs the daemon's own copier (``kvswap.kernels.cuda_copy.BlockCopier`` over a
+Runs the daemon's own copier (``kvswap.kernels.cuda_copy.CudaTaskCopier`` over a
 host buffer pinned by the daemon's ``PinnedHostRange``) in one process, and in
 the same run measures ``cudaMemcpyAsync`` of the same total bytes between the
 same pinned buffer and the same device buffer.  Reported as GB/s and as a
@@ -36,7 +36,7 @@ from typing import Any, Callable
 import numpy as np
 
 from kvswap.daemon.cuda_backend import PinnedHostRange
-from kvswap.kernels.cuda_copy import BlockCopier, TensorPointers, import_cupy
+from kvswap.kernels.cuda_copy import CudaTaskCopier, TensorPointers, import_cupy
 
 SCATTERED_KIB = (4, 8, 64, 512)
 SWEEP_KIB = (16, 64)
@@ -87,8 +87,9 @@ class Rig:
                            host0 + i * self.tensor_bytes + self.pinned.mapped_delta, block_bytes)
             for i in range(tensors)]
 
-    def copier(self, memcpy_run_blocks: int) -> BlockCopier:
-        return BlockCopier(self.device, self.pointers, self.pinned.boundaries, memcpy_run_blocks)
+    def copier(self, memcpy_run_blocks: int) -> CudaTaskCopier:
+        return CudaTaskCopier(self.device, self.pointers, self.pinned.boundaries,
+                              memcpy_run_blocks)
 
     def memcpy(self, to_host: bool, nbytes: int) -> None:
         """The baseline: one cudaMemcpyAsync of ``nbytes`` between the same buffers."""
@@ -133,7 +134,7 @@ def median_seconds(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def measure(rig: Rig, copier: BlockCopier, dev_ids: np.ndarray, host_ids: np.ndarray,
+def measure(rig: Rig, copier: CudaTaskCopier, dev_ids: np.ndarray, host_ids: np.ndarray,
             reps: int) -> dict[str, tuple[float, float]]:
     """{direction: (kvswap GB/s, memcpy GB/s)} for one task shape."""
     nbytes = len(dev_ids) * rig.block_bytes * len(rig.pointers)

@@ -125,3 +125,16 @@ def test_cancel_is_ignored_once_the_last_round_is_posted(ranks):
     out[1] = a1.agree(14, 1, 8, 10, last_round=1)
     t.join(10)
     assert out == {0: 6, 1: 6}
+
+
+def test_a_cancelled_rank_answers_cancelled_even_when_a_peer_gave_up(ranks):
+    """Rank 1 has given up on round 0; rank 0 is cancelled after posting.  Rank 0 reports
+    its own cause, CANCELLED, not the peer's abort: the cancel is checked first."""
+    _, (a0, a1) = ranks
+    with pytest.raises(BarrierTimeout):
+        a1.agree(15, 0, 4, 0.05, last_round=1)  # marks (15, 0) and (15, 1) ABORTED
+    polls = iter([False])  # not cancelled before posting, cancelled from then on
+
+    with pytest.raises(KvswapError) as ei:
+        a0.agree(15, 0, 4, 30, cancelled=lambda: next(polls, True), last_round=1)
+    assert ei.value.code == ErrorCode.CANCELLED

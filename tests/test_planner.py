@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvswap.kernels.host_copy import BlockCopier, as_block_bytes
+from kvswap.kernels.host_copy import HostPlanCopier, as_block_bytes
 from kvswap.kernels.planner import plan_copy
 
 N_SRC, N_DST = 40, 50
@@ -29,7 +29,7 @@ def id_pairs(draw):
 
 def copy_blocks(plan, pairs):
     """Run ``plan`` from each pair's first array to its second; bytes copied."""
-    copier = BlockCopier(pairs)
+    copier = HostPlanCopier(pairs)
     try:
         return copier.copy(plan, a_to_b=True)
     finally:
@@ -99,10 +99,10 @@ def test_as_block_bytes_rejects_non_contiguous():
 
 
 def test_copier_refuses_a_plan_outside_either_side():
-    from kvswap.kernels.host_copy import BlockCopier
+    from kvswap.kernels.host_copy import HostPlanCopier
     a = np.zeros((4, 8), np.uint8)
     b = np.zeros((6, 8), np.uint8)
-    copier = BlockCopier([(a, b)])
+    copier = HostPlanCopier([(a, b)])
     try:
         for src, dst in (([4], [0]), ([0], [6]), ([3, 4], [0, 1]), ([-1], [0])):
             with pytest.raises(IndexError):
@@ -114,7 +114,7 @@ def test_copier_refuses_a_plan_outside_either_side():
 
 
 def test_large_tasks_split_over_two_threads_copy_the_same_bytes():
-    from kvswap.kernels.host_copy import SPLIT_BYTES, BlockCopier
+    from kvswap.kernels.host_copy import SPLIT_BYTES, HostPlanCopier
     bpb = 64 << 10
     n = SPLIT_BYTES // bpb  # with 4 tensors the task is 4x the split threshold
     rng = np.random.default_rng(3)
@@ -122,7 +122,7 @@ def test_large_tasks_split_over_two_threads_copy_the_same_bytes():
              for _ in range(4)]
     src = rng.permutation(n)
     dst = rng.permutation(n)
-    copier = BlockCopier(pairs)
+    copier = HostPlanCopier(pairs)
     try:
         moved = copier.copy(plan_copy(src, dst), a_to_b=True)
         layer = copier.copy(plan_copy(src[:3], dst[:3]), a_to_b=True, tensors=[2])

@@ -3,30 +3,44 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
+import zmq
 
+from kvswap.client import CacheTensor, CacheWorker
+from kvswap.client.block_keys import block_hashes
 from kvswap.client.errors import ErrorCode, InvalidTask, TransferFailed, RankFailure, error_for_code
 from kvswap.client.protocol import (
     OPS,
     PROTOCOL_VERSION,
+    BatchItem,
     HandlerKind,
+    Lane,
     Op,
+    OpSpec,
+    Reply,
     RequestError,
     as_block_ids,
+    as_keys,
+    decode_batch,
     decode_reply,
     decode_request,
     decode_transfer,
+    encode_batch,
     encode_reply,
     encode_request,
     encode_transfer,
     packb,
+    storage_message,
     validate_transfer,
 )
-from kvswap.client.signals import HEADER_FIELDS, RANK_FIELDS
+from kvswap.client.signals import HEADER_FIELDS, HIST_OPS, RANK_FIELDS
+from kvswap.daemon.scheduler import LANES
+from kvswap.daemon.server import STORAGE_OPS
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -189,6 +203,31 @@ def test_op_table_is_consistent():
             assert spec.id_frames == 0
 
 
+def test_lanes_storage_ops_and_histograms_derive_from_the_op_table():
+    """The scheduler's lanes (and their pick order), the daemon's storage ops and the
+    histogram layout follow the op table; the values are today's behaviour."""
+    assert LANES == {"transfer": (Op.LOAD, Op.EVICT),
+                     "storage": (Op.PREFETCH, Op.BACKUP, Op.EXISTS)}
+    assert STORAGE_OPS == {Op.BACKUP, Op.PREFETCH, Op.EXISTS}
+    assert HIST_OPS == ("evict", "load", "backup", "prefetch")
+    scheduled = {op for ops in LANES.values() for op in ops}
+    assert scheduled == {op for op, spec in OPS.items() if spec.kind is HandlerKind.TRANSFER}
+    with pytest.raises(ValueError, match="exactly the TRANSFER ops have a lane"):
+        OpSpec(Op.PING, {}, 0, HandlerKind.INLINE, {}, lane=Lane.TRANSFER)
+    with pytest.raises(ValueError, match="exactly the TRANSFER ops have a lane"):
+        OpSpec(Op.EVICT, {}, 2, HandlerKind.TRANSFER, {})
+    with pytest.raises(ValueError, match="only a scheduled op"):
+        OpSpec(Op.STATS, {}, 0, HandlerKind.INLINE, {}, timed=True)
+
+
+def test_a_batch_carries_copies_only():
+    ids = np.array([0], "<i4")
+    frames = [packb({"v": list(PROTOCOL_VERSION), "id": 1, "op": "batch", "ids": "<i4",
+                     "tasks": [{"id": 2, "op": "backup", "n": 1}]}), ids, ids]
+    with pytest.raises(RequestError, match="op must be evict or load"):
+        decode_batch(decode_request(frames))
+
+
 def test_error_codes_map_back_to_classes():
     e = error_for_code(201, "x")
     assert isinstance(e, InvalidTask) and e.code == ErrorCode.ID_OUT_OF_RANGE
@@ -215,6 +254,132 @@ def test_protocol_doc_names_every_op_and_code():
     missing = [op.value for op in Op if f"`{op.value}`" not in text]
     missing += [c.name for c in ErrorCode if c.name not in text]
     assert not missing, f"docs/protocol.md does not document: {missing}"
+
+
+_DOC_TYPE = {str: "str", int: "int", bool: "bool", list: "array", dict: "map"}
+_DOC_FIELD = re.compile(r"`(\w+)` \(([a-z]+)")
+
+
+def _doc_op_rows() -> list[list[str]]:
+    """The cells of each row of the op table in docs/protocol.md section 4."""
+    text = (DOCS / "protocol.md").read_text()
+    section = text[text.index("\n## 4. Ops"):text.index("\n## 5.")]
+    head = section.index("\n| op | required fields (type) | optional fields (type) | id frames | "
+                         "kind | lane | reply fields | meaning |")
+    table = section[head:].strip().split("\n\n")[0].splitlines()[2:]
+    return [[cell.strip() for cell in row.strip().strip("|").split(" | ")] for row in table]
+
+
+def _doc_fields(cell: str) -> dict[str, str]:
+    return dict(_DOC_FIELD.findall(cell))
+
+
+def test_protocol_doc_op_table_equals_the_op_table():
+    rows = _doc_op_rows()
+    assert [r[0] for r in rows] == [f"`{op.value}`" for op in OPS], "ops or their order differ"
+    for row, spec in zip(rows, OPS.values()):
+        _, required, optional, frames, kind, lane, reply, _meaning = row
+        what = f"docs/protocol.md section 4, op {spec.op.value}"
+        assert _doc_fields(required) == {k: _DOC_TYPE[t] for k, t in spec.fields.items()}, what
+        assert _doc_fields(optional) == {k: _DOC_TYPE[t] for k, t in spec.optional.items()}, what
+        assert _doc_fields(reply) == {k: _DOC_TYPE[t] for k, t in spec.reply.items()}, what
+        m = re.fullmatch(r"(\d+)( per task)?(: .+)?", frames)
+        assert m, f"{what}: id frames {frames!r}"
+        if spec.id_frames is None:  # the handler counts them: two per batch task
+            assert m.group(2), what
+        else:
+            assert int(m.group(1)) == spec.id_frames and not m.group(2), what
+        assert kind.split()[0] == spec.kind.name, what
+        assert lane == ("–" if spec.lane is Lane.NONE else spec.lane.value), what
+
+
+class _Peer:
+    """A raw DEALER to one rank: sends requests, sorts the replies by id."""
+
+    def __init__(self, endpoint: str):
+        self.ctx = zmq.Context(1)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.replies: dict[int, Reply] = {}
+
+    def ask(self, frames: list, req_id: int, timeout_s: float = 20.0) -> Reply:
+        self.sock.send_multipart(frames)
+        return self.reply(req_id, timeout_s)
+
+    def reply(self, req_id: int, timeout_s: float = 20.0) -> Reply:
+        deadline = time.monotonic() + timeout_s
+        while req_id not in self.replies:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            assert left_ms > 0 and self.sock.poll(left_ms), f"no reply to request {req_id}"
+            r = decode_reply(self.sock.recv_multipart()[0])
+            self.replies[r.id] = r
+        return self.replies.pop(req_id)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+def _check_reply(r: Reply, op: Op) -> None:
+    assert r.ok, f"{op.value}: [{r.code}] {r.message}"
+    want = OPS[op].reply
+    assert set(r.fields) == set(want), f"{op.value} replied {sorted(r.fields)}"
+    for name, t in want.items():
+        value = r.fields[name]
+        assert isinstance(value, t) and (t is bool or not isinstance(value, bool)), \
+            f"{op.value}: reply field {name}={value!r} is not {t.__name__}"
+
+
+def test_every_reply_carries_the_fields_of_its_op(namespaces):
+    """Every op against a live daemon (host backend, a storage tier): an OK reply has
+    exactly OpSpec.reply beyond the common fields, with those types."""
+    store = f"file://{namespaces.run_root}/store"
+    launcher = namespaces.launch(tp=1, demo_caches=None, wait=False, host_blocks=8,
+                                 storage_url=store)
+    names = launcher.names
+    sent: set[Op] = set()
+    peer = _Peer(names.endpoint(0))
+    try:
+        with CacheWorker(names.namespace, 0, run_root=str(names.run_root)) as worker:
+            k0 = worker.alloc_host_tensor("k0", (8, 64), "uint8")
+            _check_reply(worker.register([CacheTensor("k0", 0, k0)]), Op.REGISTER)
+            sent.add(Op.REGISTER)
+            launcher.wait_ready(timeout=30)
+            ids = iter(range(1, 1000))
+
+            def ask(op: Op, frames_of) -> Reply:
+                req_id = next(ids)
+                sent.add(op)
+                return peer.ask(frames_of(req_id), req_id)
+
+            for op in (Op.PING, Op.STATS):
+                _check_reply(ask(op, lambda i, op=op: encode_request(op, i)), op)
+            dev, host = as_block_ids([0, 1], "device"), as_block_ids([2, 3], "host")
+            for op in (Op.EVICT, Op.LOAD):
+                _check_reply(ask(op, lambda i, op=op: encode_transfer(op, i, dev, host)), op)
+            evict_id, load_id = 900, 901
+            batch = ask(Op.BATCH, lambda i: encode_batch(i, [
+                BatchItem(evict_id, Op.EVICT, dev, host), BatchItem(load_id, Op.LOAD, dev, host)]))
+            _check_reply(batch, Op.BATCH)
+            assert batch.fields["accepted"] == 2
+            _check_reply(peer.reply(evict_id), Op.EVICT)  # each task under its own id
+            _check_reply(peer.reply(load_id), Op.LOAD)
+            cancel = ask(Op.CANCEL, lambda i: encode_request(Op.CANCEL, i, {"target": 12345}))
+            _check_reply(cancel, Op.CANCEL)
+            assert cancel.fields["cancelled"] is False
+            keys = as_keys(block_hashes(list(range(8)), 4))
+            for op, blocks in ((Op.BACKUP, host), (Op.EXISTS, None), (Op.PREFETCH, host)):
+                r = ask(op, lambda i, op=op, blocks=blocks:
+                        storage_message(op, i, blocks, keys).frames())
+                _check_reply(r, op)
+                assert r.fields["count"] == 2
+            for op in (Op.PAUSE, Op.RESUME, Op.CLEAR, Op.RESTORE, Op.SHUTDOWN):
+                _check_reply(ask(op, lambda i, op=op: encode_request(op, i)), op)
+            assert launcher.procs[0].wait(timeout=20) == 0
+    finally:
+        peer.close()
+    assert sent == set(Op), f"not sent: {set(Op) - sent}"
 
 
 def test_signals_doc_names_every_field():

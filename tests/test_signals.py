@@ -3,17 +3,37 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import re
+import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import posix_ipc
 import pytest
 
-from kvswap.client.errors import BarrierAborted, BarrierTimeout, NamespaceError
+from kvswap.client.errors import (
+    BarrierAborted,
+    BarrierTimeout,
+    ErrorCode,
+    NamespaceError,
+    RankTimeout,
+    TransferFailed,
+)
+from kvswap.client.layer_progress import LayerProgress
 from kvswap.client.naming import Names
+from kvswap.client import signals
 from kvswap.client.shm_region import ShmRegion
 from kvswap.client.signals import (
+    HEADER_FIELDS,
+    HIST_OPS,
+    HIST_PHASES,
+    HIST_SLOTS,
+    RANK_FIELDS,
+    STATS_BYTES,
+    A,
     H,
+    L,
     R,
     Barrier,
     RankState,
@@ -22,6 +42,7 @@ from kvswap.client.signals import (
     now_ns,
     poll_until,
     unlink_semaphores,
+    wait_with_abort,
 )
 
 ctx = mp.get_context("fork")
@@ -178,6 +199,116 @@ def test_barrier_cancel(segment):
         b.close()
 
 
+def test_barrier_completed_in_the_same_turn_as_a_cancel_is_passed(segment):
+    """Every participant has arrived: the barrier is passed, not withdrawn, even though
+    the cancel holds (the others may already be past it)."""
+    for r in (1, 2):
+        segment.rank(r)[R.BARRIER_ARRIVALS] = 1
+    b = Barrier(segment, 0)
+    try:
+        assert b.wait(timeout=30, cancelled=lambda: True) == 1
+    finally:
+        b.close()
+    assert int(segment.ranks[0, R.BARRIER_ARRIVALS]) == 1
+
+
+# ------------------------------------------------------------------ wait_with_abort
+
+
+class _Boom(Exception):
+    pass
+
+
+def test_wait_with_abort_exits(segment):
+    """Its exits and their order: a result, ready() raising, abort(), the deadline; every
+    exception runs give_up() once, a result never does."""
+    sem = posix_ipc.Semaphore(segment.names.wake_sem(0))
+    given_up: list[str] = []
+
+    def wait(ready, abort=None, timeout=30.0):
+        return wait_with_abort(ready, deadline=time.monotonic() + timeout, wake=sem,
+                               interval_s=0.01, timed_out=lambda: _Boom("timed out"),
+                               abort=abort, give_up=lambda: given_up.append("x"))
+
+    try:
+        answers = iter([None, None, 7])
+        assert wait(lambda: next(answers)) == 7 and given_up == []
+        assert wait(lambda: 0, abort=lambda: _Boom("never asked")) == 0  # 0 is a result
+
+        def peer_gave_up():
+            raise _Boom("peer gave up")
+
+        with pytest.raises(_Boom, match="peer gave up"):
+            wait(peer_gave_up, abort=lambda: _Boom("abort"))  # ready() comes first
+        assert given_up == ["x"]
+        with pytest.raises(_Boom, match="rank 2 failed"):
+            wait(lambda: None, abort=lambda: _Boom("rank 2 failed"), timeout=0)  # before deadline
+        assert given_up == ["x", "x"]
+        t0 = time.monotonic()
+        with pytest.raises(_Boom, match="timed out"):
+            wait(lambda: None, abort=lambda: None, timeout=0.2)
+        assert 0.2 <= time.monotonic() - t0 < 5
+        assert given_up == ["x", "x", "x"]
+    finally:
+        sem.close()
+
+
+def test_wait_with_abort_wakes_on_the_semaphore(segment):
+    """A post ends the sleep at once: the interval (60 s here) is only the fallback."""
+    waiter_sem = posix_ipc.Semaphore(segment.names.wake_sem(0))
+    poster_sem = posix_ipc.Semaphore(segment.names.wake_sem(0))
+    checks: list[int] = []
+    flag = threading.Event()
+
+    def ready():
+        checks.append(1)
+        return True if flag.is_set() else None
+
+    def poster():
+        poll_until(lambda: True if checks else None, time.monotonic() + 20)
+        flag.set()
+        poster_sem.release()
+
+    t = threading.Thread(target=poster)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        assert wait_with_abort(ready, deadline=time.monotonic() + 120, wake=waiter_sem,
+                               interval_s=60, timed_out=lambda: _Boom("timed out")) is True
+        assert time.monotonic() - t0 < 30
+    finally:
+        t.join(30)
+        waiter_sem.close()
+        poster_sem.close()
+
+
+def test_layer_wait_outcomes(segment):
+    """LayerProgress.wait: done, failed (TransferFailed naming the rank), a layer the load
+    does not have, never started; its error messages are part of the contract."""
+    writer, reader = LayerProgress(segment, 1), LayerProgress(segment, 1)
+    try:
+        entry = writer.begin(41, 3)
+        writer.advance(entry, 1)
+        reader.wait(41, 0, timeout=5)  # layer 0 is done
+        with pytest.raises(ValueError, match="task 41 loads 3 layers; layer 3 does not exist"):
+            reader.wait(41, 3, timeout=5)
+        writer.finish(entry, ok=False)
+        with pytest.raises(TransferFailed) as ei:
+            reader.wait(41, 1, timeout=30)
+        assert ei.value.code == ErrorCode.TRANSFER_FAILED
+        assert "rank 1" in str(ei.value) and "failed after 1 of 3 layers" in str(ei.value)
+        reader.wait(41, 0, timeout=5)  # a layer finished before the failure stays done
+        with pytest.raises(RankTimeout, match=r"rank 1: layer 0 of task 42 not ready after "
+                                              r"0\.050s \(not started\)"):
+            reader.wait(42, 0, timeout=0.05)
+        entry = writer.begin(43, 2)
+        with pytest.raises(RankTimeout, match=r"\(0 of 2 layers done\)"):
+            reader.wait(43, 1, timeout=0.05)
+    finally:
+        writer.close()
+        reader.close()
+
+
 def test_teardown_leaves_nothing(namespaces):
     names = namespaces.new()
     seg = SignalSegment.create(names, 2)
@@ -224,3 +355,75 @@ def test_histogram_buckets_are_log2_microseconds(segment):
     snap = segment.snapshot()["ranks"][1]["histograms"]["load"]["exec"]
     assert snap["count"] == 2 and snap["sum_us"] == 8 and snap["buckets"][2:4] == [1, 1]
     assert segment.snapshot()["ranks"][0]["histograms"]["load"]["exec"]["count"] == 0
+
+
+# ------------------------------------------------------------------ layout drawn = code
+
+SIGNALS_DOC = Path(__file__).resolve().parent.parent / "docs" / "signals.md"
+
+
+def _between(text: str, start: str, end: str) -> str:
+    return text[text.index(start):text.index(end, text.index(start))]
+
+
+def _doc_slot_rows(section: str) -> dict[str, int]:
+    """``| slot | `name` | ...`` rows of a field table (reserved slots have no name)."""
+    return {name: int(slot) for slot, name in re.findall(r"^\| (\d+) \| `(\w+)` \|", section,
+                                                         re.M)}
+
+
+def _entry_drawing(line: str) -> dict[str, int]:
+    """``task_id | round | ...`` as drawn in the module docstring: names by position."""
+    cells = [c.split()[0] for c in line.split("|")]
+    return {name: i for i, name in enumerate(cells) if not name.isdigit()}
+
+
+def test_histogram_ops_match_the_documented_layout():
+    """HIST_OPS is derived from the op table; its order is part of the shm layout."""
+    doc = SIGNALS_DOC.read_text()
+    m = re.search(r"histograms for ((?:`\w+`, )*`\w+`), each for two phases", doc)
+    assert m, "docs/signals.md section 11 no longer lists the histogram ops"
+    documented = tuple(re.findall(r"`(\w+)`", m.group(1)))
+    m = re.search(r"latency histograms \(([\w, ]+)\)", signals.__doc__ or "")
+    assert m, "client/signals.py no longer draws the histogram ops"
+    drawn = tuple(op.strip() for op in m.group(1).split(","))
+    assert HIST_OPS == documented == drawn
+    assert f"tp x {STATS_BYTES // 8} u64" in doc
+    assert f"{len(HIST_OPS)} × {len(HIST_PHASES)} × {HIST_SLOTS} slots" in doc
+
+
+def test_slot_indexes_match_their_enums_and_the_drawn_layouts():
+    header = {m.name.lower(): int(m) for m in H}
+    rank = {m.name.lower(): int(m) for m in R}
+    layer = {m.name.lower(): int(m) for m in L}
+    agree = {m.name.lower(): int(m) for m in A}
+    assert {f.name: f.index for f in HEADER_FIELDS} == header
+    assert {f.name: f.index for f in RANK_FIELDS} == rank
+
+    # the module docstring: two columns (header, rank block), then the entry layouts
+    text = signals.__doc__ or ""
+    drawn_header: dict[str, int] = {}
+    drawn_rank: dict[str, int] = {}
+    for line in _between(text, "    namespace header ", "\nWriters").splitlines()[2:]:
+        for m in re.finditer(r"(?<![\d-])(\d+)\s+([a-z_]+)", line):
+            (drawn_header if m.start() < 30 else drawn_rank)[m.group(2)] = int(m.group(1))
+    assert drawn_header == header and drawn_rank == rank
+    lines = text.splitlines()
+    layer_line = lines[lines.index("    layer tables: per rank, 64 entries x 8 u64 (4 KiB):") + 1]
+    agree_line = lines[lines.index("    then agreement tables: per rank, 64 entries x 4 u64 "
+                                   "(2 KiB):") + 1]
+    assert _entry_drawing(layer_line) == layer and _entry_drawing(agree_line) == agree
+
+    # docs/signals.md: the drawn boxes and every field table
+    doc = SIGNALS_DOC.read_text()
+    boxes = _between(doc, "header (16 slots)", "The launcher creates")
+    boxed_header: dict[str, int] = {}
+    boxed_rank: dict[str, int] = {}
+    for line in boxes.splitlines():
+        for m in re.finditer(r"\|\s*(\d+)\s*\|\s*([a-z_]+)\s*\|", line):
+            (boxed_header if m.start() < 30 else boxed_rank)[m.group(2)] = int(m.group(1))
+    assert boxed_header == header and boxed_rank == rank
+    assert _doc_slot_rows(_between(doc, "### Namespace header", "### Rank block")) == header
+    assert _doc_slot_rows(_between(doc, "### Rank block", "Not reset when")) == rank
+    assert _doc_slot_rows(_between(doc, "## 8. Layer-progress", "## 9.")) == layer
+    assert _doc_slot_rows(_between(doc, "## 10. Agreement", "## 11.")) == agree

@@ -8,6 +8,7 @@ The Redis tests run against a real ``redis-server`` (the session fixture
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -36,13 +37,16 @@ from kvswap.client.block_keys import (
 from kvswap.client.errors import ErrorCode, StorageError, StorageTimeout, error_for_code
 from kvswap.client.layout import TensorDesc, layout_hash
 from kvswap.daemon.storage import (
+    BACKENDS,
     HEADER_BYTES,
     CorruptEntry,
+    StorageBackend,
     open_backend,
     pack_entry,
+    registered_schemes,
     unpack_entry,
 )
-from kvswap.daemon.storage_file import TMP_PREFIX, FileBackend, shard_of
+from kvswap.daemon.storage.file import TMP_PREFIX, FileBackend, shard_of
 
 FP = model_fingerprint(bytes(range(32)), "test-model@tp2")
 OTHER_FP = model_fingerprint(bytes(range(32)), "other-model@tp2")
@@ -335,9 +339,42 @@ def test_bad_urls_are_refused(url, match):
     assert not Path("/tmp/kvs-never").exists()
 
 
+def test_unknown_scheme_lists_the_registered_ones():
+    assert {"file", "redis", "rediss", "unix"} <= set(registered_schemes())
+    with pytest.raises(ValueError) as ei:
+        open_backend("mooncake://store:50051/kv")
+    msg = str(ei.value)
+    assert "unknown scheme 'mooncake'" in msg
+    assert all(f"{s}://" in msg for s in registered_schemes()), msg
+
+
+def test_a_scheme_registered_twice_is_refused():
+    from kvswap.daemon.storage import BackendEntry, _by_scheme
+
+    with pytest.raises(ValueError, match="'file' is registered twice in BACKENDS"):
+        _by_scheme([*BACKENDS, BackendEntry(("s3", "file"), "s3", "S3Backend")])
+
+
+@pytest.mark.parametrize("entry", BACKENDS, ids=lambda e: e.module)
+def test_every_registered_backend_implements_the_interface(entry):
+    """A registration line names a module and class that exist and have the interface
+    (and the from_url that open_backend calls), so a typo fails here, not in production."""
+    try:
+        module = importlib.import_module(f"kvswap.daemon.storage.{entry.module}")
+    except ImportError as exc:
+        if entry.extra is None or (exc.name or "kvswap").split(".")[0] == "kvswap":
+            raise
+        pytest.skip(f"kvswap[{entry.extra}] is not installed ({exc})")
+    cls = getattr(module, entry.cls)
+    interface = [n for n in vars(StorageBackend) if not n.startswith("_")]
+    assert set(interface) == {"contains", "put", "get", "delete", "close"}
+    missing = [n for n in (*interface, "from_url") if not callable(getattr(cls, n, None))]
+    assert not missing, f"{entry.cls} lacks {missing}"
+
+
 def test_redis_url_without_redis_package_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "redis", None)
-    monkeypatch.delitem(sys.modules, "kvswap.daemon.storage_redis", raising=False)
+    monkeypatch.delitem(sys.modules, "kvswap.daemon.storage.redis", raising=False)
     with pytest.raises(ValueError, match=r"kvswap\[redis\]"):
         open_backend("redis://127.0.0.1:1/0")
 
@@ -397,7 +434,7 @@ def test_file_io_failure_is_a_storage_error(store_dir):
 
 _CRASH_SCRIPT = textwrap.dedent("""
     import os, sys
-    from kvswap.daemon.storage_file import FileBackend
+    from kvswap.daemon.storage.file import FileBackend
     b = FileBackend(sys.argv[1])
     os.replace = lambda src, dst: os._exit(17)  # die between the write and the rename
     b.put([(sys.argv[2], [b"header", b"payload" * 1000])])
@@ -528,7 +565,7 @@ def test_redis_put_get_contains_delete(redis_url, redis_server):
 def test_redis_calls_are_pipelined(redis_url, monkeypatch):
     import redis
 
-    from kvswap.daemon import storage_redis
+    from kvswap.daemon.storage import redis as storage_redis
 
     calls = []
     execute = redis.client.Pipeline.execute

@@ -1,4 +1,14 @@
-"""The storage tier behind host swap space: entry format and backend interface.
+"""The storage tier behind host swap space: entry format, backend interface, backends.
+
+This package's core (this module) owns what every backend shares: the entry
+format, the :class:`StorageBackend` interface, the URL option parsers and
+:func:`open_backend`, which picks a backend by the URL's scheme from
+:data:`BACKENDS`.  Each backend is a module of the package (:mod:`.file`,
+:mod:`.redis`) that imports from this core and never the other way round: the
+core names a backend's module as a string and imports it only when a URL asks
+for it, so a backend whose client library is not installed costs nothing until
+it is used, and no import cycle exists.  A new backend (Mooncake, S3) is one
+module plus one :class:`BackendEntry` line in :data:`BACKENDS`.
 
 An **entry** is one rank's copy of one block: a fixed 52-byte header followed by
 the payload, which is that block of every tensor of the rank concatenated in
@@ -29,13 +39,15 @@ the largest cost of a prefetch (docs/benchmarks.md).
 
 from __future__ import annotations
 
+import importlib
 import re
 import struct
 import urllib.parse
 import zlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence, TypeVar, Union
 
 import xxhash
-from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence, TypeVar, Union
 
 from kvswap.client.block_keys import FINGERPRINT_BYTES
 from kvswap.client.errors import StorageError, StorageTimeout
@@ -44,9 +56,10 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = [
-    "Buffer", "CorruptEntry", "ENTRY_MAGIC", "ENTRY_VERSION", "HEADER_BYTES", "StorageBackend",
-    "Stored", "StorageError", "StorageTimeout", "as_byte_views", "check_names", "open_backend",
-    "pack_entry", "unpack_entry", "url_options",
+    "BACKENDS", "BackendEntry", "Buffer", "CorruptEntry", "ENTRY_MAGIC", "ENTRY_VERSION",
+    "HEADER_BYTES", "StorageBackend", "Stored", "StorageError", "StorageTimeout",
+    "as_byte_views", "check_names", "open_backend", "pack_entry", "registered_schemes",
+    "unpack_entry", "url_options",
 ]
 
 Buffer = Union[bytes, bytearray, memoryview, "np.ndarray"]
@@ -259,17 +272,74 @@ def url_options(url: str, query: str, parsers: Mapping[str, Callable[[str], T]])
     return out
 
 
+# ------------------------------------------------------------------ registry
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """One backend: the URL schemes it serves and where its code is.
+
+    ``module`` is a module of this package, imported on first use; ``cls`` is the
+    class in it that implements :class:`StorageBackend` and opens a URL with the
+    classmethod ``from_url(url)``.  ``extra`` names the ``kvswap[...]`` extra that
+    installs the backend's client library, for the error a missing one gets.
+    """
+
+    schemes: tuple[str, ...]
+    module: str
+    cls: str
+    extra: str | None = None
+
+
+BACKENDS: tuple[BackendEntry, ...] = (
+    BackendEntry(("file",), "file", "FileBackend"),
+    BackendEntry(("redis", "rediss", "unix"), "redis", "RedisBackend", extra="redis"),
+)
+
+
+def _by_scheme(entries: Sequence[BackendEntry]) -> dict[str, BackendEntry]:
+    out: dict[str, BackendEntry] = {}
+    for entry in entries:
+        for scheme in entry.schemes:
+            if scheme in out:
+                raise ValueError(f"storage scheme {scheme!r} is registered twice in BACKENDS "
+                                 f"({out[scheme].module} and {entry.module})")
+            out[scheme] = entry
+    return out
+
+
+_BY_SCHEME = _by_scheme(BACKENDS)
+
+
+def registered_schemes() -> list[str]:
+    """Every URL scheme :func:`open_backend` knows, sorted."""
+    return sorted(_BY_SCHEME)
+
+
+def _backend_class(entry: BackendEntry, url: str) -> type:
+    """Import ``entry``'s module; a missing client library becomes a ValueError saying
+    which extra to install (an import failure inside kvswap itself is a bug: raised)."""
+    try:
+        module = importlib.import_module(f"{__name__}.{entry.module}")
+    except ImportError as exc:
+        if entry.extra is None or exc.name is None or exc.name.split(".")[0] == "kvswap":
+            raise
+        raise ValueError(f"storage URL {url!r} needs the {entry.extra} package: "
+                         f"pip install 'kvswap[{entry.extra}]' ({exc})") from exc
+    return getattr(module, entry.cls)
+
+
 def open_backend(url: str) -> StorageBackend:
-    """The backend a storage URL names.
+    """The backend a storage URL names, by its scheme (:data:`BACKENDS`).
 
-    - ``file:///abs/dir?capacity_bytes=500G&fsync=0``, or a bare absolute path: a directory
-      (:mod:`kvswap.daemon.storage_file`); created if missing.
+    - ``file:///abs/dir?capacity_bytes=500G&fsync=0``, or a bare absolute path (the
+      same as ``file://`` with that path): a directory (:mod:`.file`); created if missing.
     - ``redis://[[user]:password@]host:port/db?timeout_s=5``, ``rediss://`` (TLS),
-      ``unix:///path/redis.sock?db=0``: Redis or Valkey
-      (:mod:`kvswap.daemon.storage_redis`, needs ``kvswap[redis]``); connects lazily.
+      ``unix:///path/redis.sock?db=0``: Redis or Valkey (:mod:`.redis`, needs
+      ``kvswap[redis]``); connects lazily.
 
-    ValueError for a malformed URL, an unknown scheme or option.  A new backend
-    (Mooncake, S3) is a module with a ``from_url`` plus one line here.
+    ValueError for a malformed URL, an unknown scheme (the message lists the
+    registered ones) or an unknown option.
     """
     if not isinstance(url, str) or not url:
         raise ValueError(f"storage URL must be a non-empty string, got {url!r}")
@@ -277,22 +347,10 @@ def open_backend(url: str) -> StorageBackend:
     if not sep:
         if not url.startswith("/"):
             raise ValueError(f"storage URL {url!r} is neither scheme://... nor an absolute path")
-        from kvswap.daemon.storage_file import FileBackend
-
-        return FileBackend(url)
-    scheme = scheme.lower()
-    if scheme == "file":
-        from kvswap.daemon.storage_file import FileBackend
-
-        return FileBackend.from_url(url)
-    if scheme in ("redis", "rediss", "unix"):
-        try:
-            from kvswap.daemon.storage_redis import RedisBackend
-        except ImportError as exc:
-            if exc.name != "redis" and not (exc.name or "").startswith("redis."):
-                raise
-            raise ValueError(f"storage URL {url!r} needs the redis package: "
-                             f"pip install 'kvswap[redis]' ({exc})") from exc
-        return RedisBackend.from_url(url)
-    raise ValueError(f"storage URL {url!r}: unknown scheme {scheme!r} "
-                     "(known: file://, redis://, rediss://, unix://, or a bare path)")
+        scheme, url = "file", "file://" + urllib.parse.quote(url)
+    entry = _BY_SCHEME.get(scheme.lower())
+    if entry is None:
+        known = ", ".join(f"{s}://" for s in registered_schemes())
+        raise ValueError(f"storage URL {url!r}: unknown scheme {scheme.lower()!r} "
+                         f"(registered: {known}, or a bare absolute path)")
+    return _backend_class(entry, url).from_url(url)

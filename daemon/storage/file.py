@@ -1,4 +1,5 @@
-"""The embedded storage backend: one file per entry in a directory (e.g. on NVMe).
+"""The embedded storage backend: one file per entry in a directory (e.g. on NVMe); URL
+scheme ``file://`` or a bare absolute path (registered in :data:`kvswap.daemon.storage.BACKENDS`).
 
 Layout::
 

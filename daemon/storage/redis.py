@@ -1,4 +1,5 @@
-"""Storage backend on Redis or Valkey (redis-py; install ``kvswap[redis]``).
+"""Storage backend on Redis or Valkey (redis-py; install ``kvswap[redis]``); URL schemes
+``redis://``, ``rediss://`` and ``unix://`` (registered in :data:`kvswap.daemon.storage.BACKENDS`).
 
 One Redis string per entry (the packed entry: header and payload joined once per
 put).  Every call is one round trip for the whole batch: a non-transactional

@@ -615,8 +615,9 @@ class Daemon:
         if outcome is None:
             raise InvalidTask(f"task {job.req_id} was re-sent while it is still running on rank "
                               f"{self.rank}; it is answered once", ErrorCode.INVALID_TASK)
+        fields = outcome.fields if outcome.code == ErrorCode.OK else {}
         self._reply(job.route, job.req_id, outcome.code, outcome.message,
-                    fields={**outcome.fields, "journal": True})
+                    fields={**fields, "journal": True})
         return True
 
     def _replay_in_doubt(self) -> None:

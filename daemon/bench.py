@@ -498,6 +498,9 @@ def run_gpu(args: argparse.Namespace) -> int:
 SCENARIOS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
                            Callable[[argparse.Namespace], dict], str]] = {}
 PLOTS: dict[str, Callable[[dict, str], None]] = {"control": plot_control, "data": plot_data}
+# Subcommands of ``kvswap bench`` that are not one measurement of SCENARIOS: they
+# print their own output and return the exit status.  ``all``: kvswap.daemon.bench_all.
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"gpu": run_gpu}
 
 
 def _int_list(text: str) -> list[int]:
@@ -755,7 +758,9 @@ SCENARIOS["data"] = (_args_data, bench_data,
                      "GB/s of scattered-block evicts and loads vs numpy.copyto")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """Add ``kvswap bench`` and a subcommand per scenario; return its subparsers, where
+    commands built on the scenarios (``bench all``) register themselves."""
     bp = sub.add_parser("bench", help="benchmarks against baselines measured in the same run",
                         formatter_class=HelpFormatter)
     bsub = bp.add_subparsers(dest="scenario", required=True)
@@ -770,6 +775,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "exit status 2 without one)",
                          formatter_class=HelpFormatter)
     gp.add_argument("--json", action="store_true", help="print one JSON object")
+    return bsub
 
 
 def _table(result: dict) -> str:
@@ -785,8 +791,8 @@ def _table(result: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.scenario == "gpu":
-        return run_gpu(args)
+    if args.scenario in COMMANDS:
+        return COMMANDS[args.scenario](args)
     plot_path = getattr(args, "plot", None)
     if plot_path is not None:
         missing = _require_matplotlib()

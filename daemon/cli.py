@@ -13,7 +13,7 @@ from typing import Any
 from kvswap.client import __version__
 from kvswap.client.errors import KvswapError
 from kvswap.client.monitor import format_json, format_table, read_status, transfer_rates
-from kvswap.daemon import bench
+from kvswap.daemon import bench, bench_all
 from kvswap.daemon.config import LaunchConfig, NamespaceOptions
 from kvswap.daemon.demo import DemoConfig
 from kvswap.daemon.options import (
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     me.add_argument("--host", default="127.0.0.1",
                     help="address to listen on (127.0.0.1: this host only)")
 
-    bench.add_parser(sub)
+    bench_all.add_parser(bench.add_parser(sub))
 
     de = _subcommand(sub, "demo", help="run a verified multi-process evict/load workload")
     add_options(de, DemoConfig)

@@ -26,6 +26,7 @@ from typing import Any
 
 from kvswap.client.layout import DEMO_LAYOUT_HELP, parse_demo_layout
 from kvswap.client.naming import NAMESPACE_RULE, is_valid_namespace, tcp_endpoints
+from kvswap.daemon import docblocks
 from kvswap.daemon.options import (
     Options,
     at_least,
@@ -283,14 +284,8 @@ def operations_tables() -> dict[str, str]:
 
 def fill_generated(text: str) -> str:
     """``text`` (docs/operations.md) with each generated table replaced by the current
-    one: the lines between ``<!-- generated: NAME -->`` and ``<!-- end: NAME -->``."""
-    for name, table in operations_tables().items():
-        begin, end = f"<!-- generated: {name} -->\n", f"<!-- end: {name} -->"
-        head, found, rest = text.partition(begin)
-        if not found or end not in rest:
-            raise ValueError(f"no '{begin.strip()}' ... '{end}' block")
-        text = head + begin + table + "\n" + rest[rest.index(end):]
-    return text
+    one (the blocks of :mod:`kvswap.daemon.docblocks`)."""
+    return docblocks.fill(text, operations_tables())
 
 
 if __name__ == "__main__":

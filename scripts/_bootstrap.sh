@@ -1,4 +1,4 @@
-# Sourced by scripts/demo, scripts/test and scripts/launch: make sure .venv
+# Sourced by scripts/demo, scripts/test, scripts/launch and scripts/bench_all: make sure .venv
 # exists and holds this checkout installed with the given extras.
 # Usage: kvswap_bootstrap [EXTRAS]   (sets $PY to the venv's python)
 kvswap_bootstrap() {

@@ -778,9 +778,11 @@ class Daemon:
         self._become_ready()
 
     def _become_ready(self) -> None:
-        if self.sm.to(RankState.READY, only_from=frozenset({RankState.ATTACHING})):
-            if self.rank == 0:
-                self.seg.header[H.KVCACHE_STATUS] = KvCacheStatus.NORMAL
+        """ATTACHING -> READY; rank 0 writes the namespace's KvCacheStatus first, so a
+        client that sees every rank READY (wait_ready) also sees NORMAL."""
+        if self.rank == 0 and self.sm.state is RankState.ATTACHING:
+            self.seg.header[H.KVCACHE_STATUS] = KvCacheStatus.NORMAL
+        self.sm.to(RankState.READY, only_from=frozenset({RankState.ATTACHING}))
 
     # ---------------------------------------------------------------- start-up / restart
     def _registration_path(self) -> Path:

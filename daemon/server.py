@@ -151,6 +151,32 @@ class Job:
 
 
 @dataclass
+class Registration:
+    """The register this rank is running or has run (see
+    ``Daemon._answer_repeat_register``)."""
+
+    tensors: list[dict]  # canonical descriptors (TensorDesc.to_wire), locations included
+    reply: tuple[ErrorCode, str, dict] | None = None  # (code, message, fields) once it ended
+    waiters: list[Job] = field(default_factory=list)  # repeats answered when it ends
+
+    def difference(self, backend: str, header: dict) -> str:
+        """How a register's header differs from this one ("" when it is the same)."""
+        if header["backend"] != backend:
+            return f"backend {header['backend']!r}, not {backend!r}"
+        try:
+            tensors = [TensorDesc.from_wire(t).to_wire() for t in header["tensors"]]
+        except InvalidTask as exc:
+            return f"its descriptors are invalid: {exc.message}"
+        if len(tensors) != len(self.tensors):
+            return f"{len(tensors)} tensors, not {len(self.tensors)}"
+        for new, old in zip(tensors, self.tensors):
+            if new != old:
+                what = [k for k in old if new.get(k) != old[k]]
+                return f"tensor {old['name']!r} differs in {', '.join(what)}"
+        return ""
+
+
+@dataclass
 class Completion:
     job: Job
     code: ErrorCode
@@ -185,7 +211,8 @@ class Daemon:
         self._done: collections.deque[Completion] = collections.deque()
         self._done_lock = threading.Lock()
         self._stopping = False
-        self._register_pending = False
+        self._registration: Registration | None = None  # guarded by _registration_lock
+        self._registration_lock = threading.Lock()
         self._hb_stop = threading.Event()
         self._swap: HostSwapSpace | None = None
         self._scheduler: Scheduler | None = None
@@ -686,43 +713,105 @@ class Daemon:
                     self._startup_barrier()
 
     def _admit_register(self, job: Job, req: Request | None) -> None:
+        """Queue a register for the control thread, or answer a repeat of the one in
+        effect (:meth:`_answer_repeat_register`)."""
         if self._stopping:
             raise KvswapError(f"rank {self.rank} is shutting down", ErrorCode.SHUTTING_DOWN)
-        if self._register_pending or self.sm.state is not RankState.ATTACHING:
-            raise KvswapError(f"rank {self.rank} already has caches registered "
-                              f"(state {self.sm.state.name})", ErrorCode.ALREADY_REGISTERED)
         hdr = job.header
-        if hdr["backend"] != self.cfg.backend:
-            raise InvalidTask(f"rank {self.rank} runs the {self.cfg.backend} backend, the worker "
-                              f"registered {hdr['backend']} tensors", ErrorCode.BAD_LAYOUT)
-        job.tensors = [TensorDesc.from_wire(t) for t in hdr["tensors"]]
-        validate_layout(job.tensors)
-        self._register_pending = True
+        with self._registration_lock:
+            state = self.sm.state
+            if self._registration is not None or state is not RankState.ATTACHING:
+                self._answer_repeat_register(job, state)
+                return
+            if hdr["backend"] != self.cfg.backend:
+                raise InvalidTask(f"rank {self.rank} runs the {self.cfg.backend} backend, the "
+                                  f"worker registered {hdr['backend']} tensors",
+                                  ErrorCode.BAD_LAYOUT)
+            job.tensors = [TensorDesc.from_wire(t) for t in hdr["tensors"]]
+            validate_layout(job.tensors)
+            self._registration = Registration([t.to_wire() for t in job.tensors])
         self._control.put(job)
+
+    def _answer_repeat_register(self, job: Job, state: RankState) -> None:
+        """A register on a rank that has one in effect (caller holds the lock).
+
+        A worker whose register timed out on its side sends it again while the
+        daemon has finished the first, or is still running it.  The same
+        descriptors (locations included, so the very same memory) get the first
+        one's answer: now, or from the control thread when it ends.  Anything else
+        is ALREADY_REGISTERED: attached caches are only replaced through
+        clear/restore."""
+        reg = self._registration
+        if state in (RankState.CLEARING, RankState.CLEARED):
+            raise KvswapError(f"rank {self.rank} is {state.name}: its caches were released; "
+                              f"call restore_caches() on the TransferClient, then register",
+                              ErrorCode.ALREADY_REGISTERED)
+        differs = "no register" if reg is None else reg.difference(self.cfg.backend, job.header)
+        if differs:
+            raise KvswapError(
+                f"rank {self.rank} already has caches registered (state {state.name}) and this "
+                f"register is not the same ({differs}); to attach other tensors call "
+                f"clear_caches() then restore_caches() on the TransferClient and register "
+                f"again, or relaunch the namespace", ErrorCode.ALREADY_REGISTERED)
+        assert reg is not None
+        if reg.reply is None:
+            reg.waiters.append(job)
+            log.info("register %s repeats the one being attached; answered when it ends",
+                     job.req_id)
+            return
+        code, message, fields = reg.reply
+        log.info("register %s repeats the one in effect; answered with its reply", job.req_id)
+        self._reply(job.route, job.req_id, code, message, fields=fields)
+
+    def _end_registration(self, code: ErrorCode, message: str, fields: dict,
+                          attached: bool) -> None:
+        """Record how the register ended and answer the repeats that waited for it
+        (control thread).  Nothing attached: forget it, so a new register may try."""
+        now = time.perf_counter_ns()
+        with self._registration_lock:
+            reg = self._registration
+            assert reg is not None
+            waiters, reg.waiters = reg.waiters, []
+            reg.reply = (code, message, fields)
+            if not attached:
+                self._registration = None
+        for waiter in waiters:
+            self._complete(Completion(waiter, code, message, now, now, fields=fields))
 
     def _on_pin_progress(self, pinned: int) -> None:
         """Host swap space pinning progress (control thread, during attach)."""
         self.sig[R.SWAP_BYTES_PINNED] = pinned
 
     def _run_register(self, job: Job, req: Request | None) -> dict:
+        """Attach the caches (control thread); repeats of this register that arrived
+        meanwhile get the same answer."""
+        try:
+            fields = self._attach_caches(job)
+        except KvswapError as exc:
+            self._end_registration(exc.code, exc.message, {}, attached=self._swap is not None)
+            raise
+        except Exception as exc:  # the control loop logs it and answers INTERNAL_ERROR
+            self._end_registration(ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", {},
+                                   attached=self._swap is not None)
+            raise
+        self._end_registration(ErrorCode.OK, "", fields, attached=True)
+        return fields
+
+    def _attach_caches(self, job: Job) -> dict:
         tensors = job.tensors
         if self._swap is not None:  # kept across clear(free_host=False): re-adopted below
             self._swap.close(unlink=False)
             self._swap = None
+        swap = HostSwapSpace.open(self.names, self.rank, tensors, self.cfg.host_blocks)
+        self.sig[R.SWAP_BYTES_TOTAL] = swap.nbytes  # before attach: pinning reports progress
         try:
-            swap = HostSwapSpace.open(self.names, self.rank, tensors, self.cfg.host_blocks)
-            self.sig[R.SWAP_BYTES_TOTAL] = swap.nbytes  # before attach: pinning reports progress
-            try:
-                self.backend.attach(tensors, swap)
-            except BaseException:
-                self.sig[R.SWAP_BYTES_TOTAL] = 0
-                self.sig[R.SWAP_BYTES_PINNED] = 0
-                swap.close(unlink=not swap.reused)
-                raise
+            self.backend.attach(tensors, swap)
         except BaseException:
-            self._register_pending = False
+            self.sig[R.SWAP_BYTES_TOTAL] = 0
+            self.sig[R.SWAP_BYTES_PINNED] = 0
+            swap.close(unlink=not swap.reused)
             raise
-        self._swap = swap
+        self._swap = swap  # from here on the caches are attached (_run_register)
         self._num_device_blocks = tensors[0].num_blocks
         self._num_host_blocks = swap.num_host_blocks
         self._block_bytes = sum(t.bytes_per_block for t in tensors)
@@ -1017,7 +1106,8 @@ class Daemon:
         """CLEARED -> ATTACHING: the worker registers its (new) tensors next."""
         if not self.sm.to(RankState.ATTACHING, only_from=frozenset({RankState.CLEARED})):
             raise NotReady(f"rank {self.rank} is {self.sm.state.name}, not CLEARED")
-        self._register_pending = False
+        with self._registration_lock:
+            self._registration = None
         if self.cfg.demo_caches is not None:
             self._create_demo_caches(rejoin=False)
         return {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import logging
+import resource
 import signal
 import sys
 
@@ -32,7 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-interval", type=float, default=0.1)
     p.add_argument("--stale-after", type=float, default=5.0,
                    help="a peer whose heartbeat is older than this aborts barriers (default 5)")
-    p.add_argument("--max-message-bytes", type=int, default=64 << 20)
+    p.add_argument("--max-device-blocks", type=int, default=1 << 20,
+                   help="most device blocks a worker may register (default 1048576); with "
+                        "--host-blocks it sizes the largest frame the socket accepts "
+                        "(8 bytes per block id), so a peer cannot make the daemon buffer "
+                        "larger ones (docs/protocol.md section 2)")
     p.add_argument("--workers", type=int, default=2,
                    help="transfer worker threads (evicts and loads run concurrently; default 2)")
     p.add_argument("--no-merge", action="store_true",
@@ -67,6 +72,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def raise_fd_limit(log: logging.Logger) -> None:
+    """Raise the soft open-file limit to the hard one, as servers do.
+
+    Every connection to the daemon holds a file descriptor, and the common soft
+    limit of 1024 is a default for interactive shells, not a server's budget;
+    the hard limit is what the administrator granted.  The connection guard
+    (daemon/connections.py) keeps the daemon inside whatever limit results."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:  # setrlimit refuses more than fs.nr_open
+        with open("/proc/sys/fs/nr_open") as f:
+            target = int(f.read())
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+        else:
+            log.info("open-file limit raised from %d to the hard limit %d", soft, target)
+            return
+    log.info("open-file limit %d (hard limit %s)", soft,
+             "unlimited" if hard == resource.RLIM_INFINITY else hard)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.rank, args.log_level)
@@ -74,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     # thing to look at when a daemon seems stuck.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     log = logging.getLogger("kvswap.daemon")
-    for name in ("host_blocks", "workers", "max_merge_blocks"):
+    raise_fd_limit(log)
+    for name in ("host_blocks", "workers", "max_merge_blocks", "max_device_blocks"):
         if getattr(args, name) <= 0:
             log.error("--%s must be positive", name.replace("_", "-"))
             return 2
@@ -91,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         namespace=args.namespace, rank=args.rank, tp_size=args.tp, backend=args.backend,
         run_root=args.run_root, host_blocks=args.host_blocks, demo_caches=args.demo_caches,
         attach_timeout_s=args.attach_timeout, heartbeat_interval_s=args.heartbeat_interval,
-        stale_after_s=args.stale_after, max_message_bytes=args.max_message_bytes,
+        stale_after_s=args.stale_after, max_device_blocks=args.max_device_blocks,
         device=args.device, workers=args.workers, merge=not args.no_merge,
         max_merge_blocks=args.max_merge_blocks, inline_max_bytes=args.inline_max_bytes,
         orphan_timeout_s=args.orphan_timeout, drain_timeout_s=args.drain_timeout,

@@ -12,6 +12,8 @@ Threads and what each one owns:
   evicts and loads concurrently under hazard ordering, loads first, merging
   independent tasks of one direction into one copy pass.
 * **heartbeat**: writes ``heartbeat_ns`` every ``heartbeat_interval_s``.
+* **connection guard** (:mod:`kvswap.daemon.connections`): refuses connections
+  before they use up the file descriptors.
 
 Workers hand completions back through a deque plus a wake-up on an inproc
 PAIR, so only the I/O thread ever touches the ROUTER.
@@ -47,6 +49,7 @@ from kvswap.client.layer_progress import LayerProgress
 from kvswap.client.layout import TensorDesc, demo_layout, layout_hash, validate_layout
 from kvswap.client.naming import Names
 from kvswap.client.protocol import (
+    MAX_FRAMES,
     OPS,
     HandlerKind,
     Op,
@@ -59,6 +62,7 @@ from kvswap.client.protocol import (
     decode_request,
     decode_transfer,
     encode_reply,
+    max_frame_bytes,
     packb,
     validate_storage,
     validate_transfer,
@@ -78,6 +82,7 @@ from kvswap.client.signals import (
 )
 from kvswap.daemon.agreement import Agreement
 from kvswap.daemon.backend import Backend, make_backend
+from kvswap.daemon.connections import ConnectionGuard
 from kvswap.daemon.scheduler import LANES, Scheduler, Task, TaskState, concat_ids
 from kvswap.daemon.state import StateMachine
 from kvswap.daemon.swap_space import HostSwapSpace
@@ -112,7 +117,7 @@ class DaemonConfig:
     attach_timeout_s: float = 300.0  # start-up barrier: all ranks attached
     heartbeat_interval_s: float = 0.1
     stale_after_s: float = 5.0
-    max_message_bytes: int = 64 << 20
+    max_device_blocks: int = 1 << 20  # register refuses more; sizes the frame limit (_bind)
     device: int | None = None
     workers: int = 2  # transfer worker threads
     merge: bool = True  # merge independent queued tasks of one direction
@@ -321,19 +326,41 @@ class Daemon:
         self.agreement = Agreement(self.seg, self.rank, self.cfg.stale_after_s)
 
     def _bind(self) -> None:
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
-        self.router.setsockopt(zmq.LINGER, 2000)
-        self.router.bind(self.names.endpoint(self.rank))
-        os.chmod(self.names.endpoint_path(self.rank), 0o600)
+        """Bind the ROUTER(s), each limited to frames a valid request can carry, and
+        start the guard that refuses connections before file descriptors run out.
+
+        libzmq 4.3.5 checks ``MAXMSGSIZE`` per frame, on the frame's length prefix
+        (measured): a frame over it closes the connection before its body is
+        buffered, while a message of many frames each under it passes.  libzmq
+        delivers a multipart message only once all of it has arrived and sets no
+        limit on the number of frames; :meth:`_recv` bounds what the daemon keeps
+        of it.  docs/protocol.md section 2 states the resulting bounds."""
+        self.max_frame_bytes = max_frame_bytes(self.cfg.max_device_blocks, self.cfg.host_blocks)
         self.tcp_router: zmq.Socket | None = None
-        if self.cfg.listen_tcp:
-            self.tcp_router = self.ctx.socket(zmq.ROUTER)
-            self.tcp_router.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
-            self.tcp_router.setsockopt(zmq.LINGER, 2000)
-            self.tcp_router.bind(self.cfg.listen_tcp)
-            log.info("also listening on %s (HMAC-SHA256 signed messages only)",
-                     self.cfg.listen_tcp)
+        self.router = self.ctx.socket(zmq.ROUTER)
+        try:
+            self.router.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+            self.router.setsockopt(zmq.LINGER, 2000)
+            self.router.bind(self.names.endpoint(self.rank))
+            os.chmod(self.names.endpoint_path(self.rank), 0o600)
+            if self.cfg.listen_tcp:
+                self.tcp_router = self.ctx.socket(zmq.ROUTER)
+                self.tcp_router.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+                self.tcp_router.setsockopt(zmq.LINGER, 2000)
+                self.tcp_router.bind(self.cfg.listen_tcp)
+                log.info("also listening on %s (HMAC-SHA256 signed messages only)",
+                         self.cfg.listen_tcp)
+            self._guard = ConnectionGuard(self.ctx, [s for s in (self.router, self.tcp_router)
+                                                     if s is not None])
+        except zmq.ZMQError:
+            for sock in (self.router, self.tcp_router):
+                if sock is not None:
+                    sock.close(linger=0)
+            raise
+        log.info("frames up to %d bytes (--max-device-blocks %d, --host-blocks %d); at most %d "
+                 "frames kept per request; connections refused from file descriptor %d of %d",
+                 self.max_frame_bytes, self.cfg.max_device_blocks, self.cfg.host_blocks,
+                 MAX_FRAMES, self._guard.threshold, self._guard.limit)
         addr = f"inproc://kvswap-done-{id(self)}"
         self._done_rx = self.ctx.socket(zmq.PAIR)
         self._done_rx.bind(addr)
@@ -416,6 +443,7 @@ class Daemon:
             self._storage.close()
             self._storage = None
         self._verifier.shutdown(wait=True)
+        self._guard.close()
         signal.set_wakeup_fd(-1)
         self._sig_r.close()
         self._sig_w.close()
@@ -459,11 +487,36 @@ class Daemon:
                 if sock is None or sock not in events:
                     continue
                 for _ in range(256):  # bounded, so completions are not starved
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
+                    message = self._recv(sock, signed)
+                    if message is None:
                         break
-                    self._on_request(frames, sock, signed)
+                    self._on_request(*message, sock, signed)
+
+    @staticmethod
+    def _recv(sock: zmq.Socket, signed: bool) -> tuple[list, int] | None:
+        """One message, read part by part: (its leading frames, the number of frames
+        discarded past the limit), or None when none is waiting.
+
+        At most the identity, the MAC (tcp://) and :data:`MAX_FRAMES` frames are
+        kept; each later frame is released as soon as it is read, so an over-long
+        message never makes the daemon hold more than that (libzmq still buffers
+        the whole message before the first frame can be read: _bind)."""
+        try:
+            first = sock.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        keep = 1 + int(signed) + MAX_FRAMES
+        frames = [first]
+        dropped = 0
+        more = first.more
+        while more:  # the rest is there already: libzmq delivers a message whole
+            part = sock.recv(copy=False)
+            more = part.more
+            if len(frames) < keep:
+                frames.append(part)
+            else:
+                dropped += 1
+        return frames, dropped
 
     def _reply(self, route: Route | None, req_id: int | None, code: ErrorCode, message: str = "",
                queued_us: float = 0.0, exec_us: float = 0.0, fields: dict | None = None) -> None:
@@ -479,9 +532,16 @@ class Daemon:
         self.stats.error(exc.code)
         self._reply(route, req_id, exc.code, exc.message)
 
-    def _on_request(self, frames: list, sock: zmq.Socket, signed: bool) -> None:
+    def _on_request(self, frames: list, dropped: int, sock: zmq.Socket, signed: bool) -> None:
         t_recv = time.perf_counter_ns()
         route = Route(sock, frames[0].bytes, signed)
+        if dropped:
+            self._reject(route, None, "request", KvswapError(
+                f"message of {len(frames) - 1 + dropped} frames; a request has at most "
+                f"{MAX_FRAMES} (a header and two id frames per batch task"
+                f"{', after the MAC' if signed else ''}), the rest were discarded unread",
+                ErrorCode.MESSAGE_TOO_LARGE))
+            return
         body = [f.buffer for f in frames[1:]]
         try:
             if signed:
@@ -728,7 +788,13 @@ class Daemon:
                                   f"worker registered {hdr['backend']} tensors",
                                   ErrorCode.BAD_LAYOUT)
             job.tensors = [TensorDesc.from_wire(t) for t in hdr["tensors"]]
-            validate_layout(job.tensors)
+            blocks = validate_layout(job.tensors)
+            if blocks > self.cfg.max_device_blocks:
+                raise InvalidTask(
+                    f"rank {self.rank}: the tensors have {blocks} blocks, more than kvswapd "
+                    f"--max-device-blocks {self.cfg.max_device_blocks} (it sizes the socket's "
+                    f"frame limit); relaunch with a larger --max-device-blocks",
+                    ErrorCode.BAD_LAYOUT)
             self._registration = Registration([t.to_wire() for t in job.tensors])
         self._control.put(job)
 

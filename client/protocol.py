@@ -40,6 +40,20 @@ MAX_HEADER_BYTES = 1 << 20  # the msgpack header frame
 MAX_BATCH_TASKS = 4096  # tasks in one ``batch`` message; clients split larger batches
 MAX_FRAMES = 1 + 2 * MAX_BATCH_TASKS  # header + two id frames per batch task
 
+
+def max_frame_bytes(max_device_blocks: int, num_host_blocks: int) -> int:
+    """The largest frame a valid request can carry, the daemon's ZMQ ``MAXMSGSIZE``.
+
+    A valid task names each destination block at most once, so an id frame holds
+    at most max(device, host) blocks of 8 bytes (int64); a keys frame holds at most
+    one 32-byte key per host block (:func:`validate_storage`); the header is at most
+    :data:`MAX_HEADER_BYTES`.  Device block counts are only known at ``register``,
+    after the socket is bound, so the daemon sizes the limit from its
+    ``--max-device-blocks`` cap and refuses a larger register."""
+    return max(MAX_HEADER_BYTES, 8 * max(max_device_blocks, num_host_blocks),
+               KEY_BYTES * num_host_blocks)
+
+
 # id frame dtypes accepted on the wire (little-endian only, so frames mean the
 # same on every host).
 ID_DTYPES: dict[str, np.dtype] = {"<i4": np.dtype("<i4"), "<i8": np.dtype("<i8")}
@@ -459,8 +473,14 @@ def transfer_message(op: Op, req_id: int, device_ids: np.ndarray, host_ids: np.n
 
 def validate_storage(op: Op, host_ids: np.ndarray | None, n_keys: int,
                      num_host_blocks: int) -> None:
-    """``backup``/``prefetch``: one host block per key, in range; a prefetch names no
-    destination block twice (sources of a backup may repeat)."""
+    """At most one key per host block (this bounds a keys frame, see
+    :func:`max_frame_bytes`); ``backup``/``prefetch``: one host block per key, in
+    range; a prefetch names no destination block twice (sources of a backup may
+    repeat)."""
+    if n_keys > num_host_blocks:
+        raise InvalidTask(f"{op.value}: {n_keys} keys, more than the {num_host_blocks} host "
+                          f"blocks of a rank (the most one message may carry); split them "
+                          f"over several messages", ErrorCode.MESSAGE_TOO_LARGE)
     if host_ids is None:
         return
     if host_ids.shape[0] != n_keys:

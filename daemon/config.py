@@ -139,11 +139,12 @@ class DaemonOptions(NamespaceOptions):
         help="a rank whose heartbeat is older than this many seconds aborts the barriers and "
              "storage agreements the other ranks wait in, instead of leaving them to time out "
              "(not a restart: that is kvswap launch --restart-stale-after)")
-    max_message_bytes: int = option(
-        64 << 20, flag="--max-message-bytes", parse=int, check=at_least(1),
-        default_text="67108864 (64 MiB)",
-        help="ZMQ MAXMSGSIZE of the rank's sockets, per frame; a larger frame is dropped "
-             "without a reply")
+    max_device_blocks: int = option(
+        1 << 20, flag="--max-device-blocks", parse=int, check=at_least(1),
+        help="most device blocks a worker may register; with --host-blocks it sizes the "
+             "largest frame the sockets accept (8 bytes per block id, 32 per storage key), "
+             "so a peer cannot make the daemon buffer larger ones (docs/protocol.md "
+             "section 2)")
     workers: int = option(
         2, flag="--workers", parse=int, check=at_least(1),
         help="transfer worker threads per rank (independent evicts and loads run concurrently)")

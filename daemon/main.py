@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import logging
+import resource
 import signal
 import sys
 
@@ -25,6 +26,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def raise_fd_limit(log: logging.Logger) -> None:
+    """Raise the soft open-file limit to the hard one, as servers do.
+
+    Every connection to the daemon holds a file descriptor, and the common soft
+    limit of 1024 is a default for interactive shells, not a server's budget;
+    the hard limit is what the administrator granted.  The connection guard
+    (daemon/connections.py) keeps the daemon inside whatever limit results."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:  # setrlimit refuses more than fs.nr_open
+        with open("/proc/sys/fs/nr_open") as f:
+            target = int(f.read())
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
+        else:
+            log.info("open-file limit raised from %d to the hard limit %d", soft, target)
+            return
+    log.info("open-file limit %d (hard limit %s)", soft,
+             "unlimited" if hard == resource.RLIM_INFINITY else hard)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     cfg: DaemonConfig = parse_config(parser, DaemonConfig, parser.parse_args(argv))
@@ -33,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     # thing to look at when a daemon seems stuck.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     log = logging.getLogger("kvswap.daemon")
+    raise_fd_limit(log)
     try:
         return Daemon(cfg).run()
     except (DaemonError, KvswapError) as exc:

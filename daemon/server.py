@@ -12,6 +12,8 @@ Threads and what each one owns:
   evicts and loads concurrently under hazard ordering, loads first, merging
   independent tasks of one direction into one copy pass.
 * **heartbeat**: writes ``heartbeat_ns`` every ``heartbeat_interval_s``.
+* **connection guard** (:mod:`kvswap.daemon.connections`): refuses connections
+  before they use up the file descriptors.
 
 Workers hand completions back through a deque plus a wake-up on an inproc
 PAIR, so only the I/O thread ever touches the ROUTER.
@@ -47,6 +49,7 @@ from kvswap.client.layer_progress import LayerProgress
 from kvswap.client.layout import TensorDesc, demo_layout, layout_hash, validate_layout
 from kvswap.client.naming import Names
 from kvswap.client.protocol import (
+    MAX_FRAMES,
     OPS,
     HandlerKind,
     Lane,
@@ -60,6 +63,7 @@ from kvswap.client.protocol import (
     decode_request,
     decode_transfer,
     encode_reply,
+    max_frame_bytes,
     packb,
     validate_storage,
     validate_transfer,
@@ -81,6 +85,7 @@ from kvswap.daemon import crashpoints
 from kvswap.daemon.agreement import Agreement
 from kvswap.daemon.backend import Backend, make_backend
 from kvswap.daemon.config import DaemonConfig
+from kvswap.daemon.connections import ConnectionGuard
 from kvswap.daemon.journal import JOURNALED_OPS, Journal
 from kvswap.daemon.scheduler import Scheduler, Task, TaskState, concat_ids
 from kvswap.daemon.state import StateMachine
@@ -141,6 +146,32 @@ class Origin:
 
 
 @dataclass
+class Registration:
+    """The register this rank is running or has run (see
+    ``Daemon._answer_repeat_register``)."""
+
+    tensors: list[dict]  # canonical descriptors (TensorDesc.to_wire), locations included
+    reply: tuple[ErrorCode, str, dict] | None = None  # (code, message, fields) once it ended
+    waiters: list[Job] = field(default_factory=list)  # repeats answered when it ends
+
+    def difference(self, backend: str, header: dict) -> str:
+        """How a register's header differs from this one ("" when it is the same)."""
+        if header["backend"] != backend:
+            return f"backend {header['backend']!r}, not {backend!r}"
+        try:
+            tensors = [TensorDesc.from_wire(t).to_wire() for t in header["tensors"]]
+        except InvalidTask as exc:
+            return f"its descriptors are invalid: {exc.message}"
+        if len(tensors) != len(self.tensors):
+            return f"{len(tensors)} tensors, not {len(self.tensors)}"
+        for new, old in zip(tensors, self.tensors):
+            if new != old:
+                what = [k for k in old if new.get(k) != old[k]]
+                return f"tensor {old['name']!r} differs in {', '.join(what)}"
+        return ""
+
+
+@dataclass
 class Completion:
     job: Job
     code: ErrorCode
@@ -175,7 +206,8 @@ class Daemon:
         self._done: collections.deque[Completion] = collections.deque()
         self._done_lock = threading.Lock()
         self._stopping = False
-        self._register_pending = False
+        self._registration: Registration | None = None  # guarded by _registration_lock
+        self._registration_lock = threading.Lock()
         self._hb_stop = threading.Event()
         self._swap: HostSwapSpace | None = None
         self._scheduler: Scheduler | None = None
@@ -290,19 +322,41 @@ class Daemon:
         self.agreement = Agreement(self.seg, self.rank, self.cfg.stale_after_s)
 
     def _bind(self) -> None:
-        self.router = self.ctx.socket(zmq.ROUTER)
-        self.router.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
-        self.router.setsockopt(zmq.LINGER, 2000)
-        self.router.bind(self.names.endpoint(self.rank))
-        os.chmod(self.names.endpoint_path(self.rank), 0o600)
+        """Bind the ROUTER(s), each limited to frames a valid request can carry, and
+        start the guard that refuses connections before file descriptors run out.
+
+        libzmq 4.3.5 checks ``MAXMSGSIZE`` per frame, on the frame's length prefix
+        (measured): a frame over it closes the connection before its body is
+        buffered, while a message of many frames each under it passes.  libzmq
+        delivers a multipart message only once all of it has arrived and sets no
+        limit on the number of frames; :meth:`_recv` bounds what the daemon keeps
+        of it.  docs/protocol.md section 2 states the resulting bounds."""
+        self.max_frame_bytes = max_frame_bytes(self.cfg.max_device_blocks, self.cfg.host_blocks)
         self.tcp_router: zmq.Socket | None = None
-        if self.cfg.listen_tcp:
-            self.tcp_router = self.ctx.socket(zmq.ROUTER)
-            self.tcp_router.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
-            self.tcp_router.setsockopt(zmq.LINGER, 2000)
-            self.tcp_router.bind(self.cfg.listen_tcp)
-            log.info("also listening on %s (HMAC-SHA256 signed messages only)",
-                     self.cfg.listen_tcp)
+        self.router = self.ctx.socket(zmq.ROUTER)
+        try:
+            self.router.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+            self.router.setsockopt(zmq.LINGER, 2000)
+            self.router.bind(self.names.endpoint(self.rank))
+            os.chmod(self.names.endpoint_path(self.rank), 0o600)
+            if self.cfg.listen_tcp:
+                self.tcp_router = self.ctx.socket(zmq.ROUTER)
+                self.tcp_router.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+                self.tcp_router.setsockopt(zmq.LINGER, 2000)
+                self.tcp_router.bind(self.cfg.listen_tcp)
+                log.info("also listening on %s (HMAC-SHA256 signed messages only)",
+                         self.cfg.listen_tcp)
+            self._guard = ConnectionGuard(self.ctx, [s for s in (self.router, self.tcp_router)
+                                                     if s is not None])
+        except zmq.ZMQError:
+            for sock in (self.router, self.tcp_router):
+                if sock is not None:
+                    sock.close(linger=0)
+            raise
+        log.info("frames up to %d bytes (--max-device-blocks %d, --host-blocks %d); at most %d "
+                 "frames kept per request; connections refused from file descriptor %d of %d",
+                 self.max_frame_bytes, self.cfg.max_device_blocks, self.cfg.host_blocks,
+                 MAX_FRAMES, self._guard.threshold, self._guard.limit)
         addr = f"inproc://kvswap-done-{id(self)}"
         self._done_rx = self.ctx.socket(zmq.PAIR)
         self._done_rx.bind(addr)
@@ -392,6 +446,7 @@ class Daemon:
                           "next incarnation", in_doubt)
             self._journal.close(unlink=not in_doubt)
             self._journal = None
+        self._guard.close()
         signal.set_wakeup_fd(-1)
         self._sig_r.close()
         self._sig_w.close()
@@ -438,11 +493,36 @@ class Daemon:
                 if sock is None or sock not in events:
                     continue
                 for _ in range(256):  # bounded, so completions are not starved
-                    try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
+                    message = self._recv(sock, signed)
+                    if message is None:
                         break
-                    self._on_request(frames, sock, signed)
+                    self._on_request(*message, sock, signed)
+
+    @staticmethod
+    def _recv(sock: zmq.Socket, signed: bool) -> tuple[list, int] | None:
+        """One message, read part by part: (its leading frames, the number of frames
+        discarded past the limit), or None when none is waiting.
+
+        At most the identity, the MAC (tcp://) and :data:`MAX_FRAMES` frames are
+        kept; each later frame is released as soon as it is read, so an over-long
+        message never makes the daemon hold more than that (libzmq still buffers
+        the whole message before the first frame can be read: _bind)."""
+        try:
+            first = sock.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        keep = 1 + int(signed) + MAX_FRAMES
+        frames = [first]
+        dropped = 0
+        more = first.more
+        while more:  # the rest is there already: libzmq delivers a message whole
+            part = sock.recv(copy=False)
+            more = part.more
+            if len(frames) < keep:
+                frames.append(part)
+            else:
+                dropped += 1
+        return frames, dropped
 
     def _reply(self, route: Route | None, req_id: int | None, code: ErrorCode, message: str = "",
                queued_us: float = 0.0, exec_us: float = 0.0, fields: dict | None = None) -> None:
@@ -458,9 +538,16 @@ class Daemon:
         self.stats.error(exc.code)
         self._reply(route, req_id, exc.code, exc.message)
 
-    def _on_request(self, frames: list, sock: zmq.Socket, signed: bool) -> None:
+    def _on_request(self, frames: list, dropped: int, sock: zmq.Socket, signed: bool) -> None:
         t_recv = time.perf_counter_ns()
         route = Route(sock, frames[0].bytes, signed)
+        if dropped:
+            self._reject(route, None, "request", KvswapError(
+                f"message of {len(frames) - 1 + dropped} frames; a request has at most "
+                f"{MAX_FRAMES} (a header and two id frames per batch task"
+                f"{', after the MAC' if signed else ''}), the rest were discarded unread",
+                ErrorCode.MESSAGE_TOO_LARGE))
+            return
         body = [f.buffer for f in frames[1:]]
         try:
             if signed:
@@ -789,43 +876,111 @@ class Daemon:
                     self._startup_barrier()
 
     def _admit_register(self, job: Job, req: Request | None) -> None:
+        """Queue a register for the control thread, or answer a repeat of the one in
+        effect (:meth:`_answer_repeat_register`)."""
         if self._stopping:
             raise KvswapError(f"rank {self.rank} is shutting down", ErrorCode.SHUTTING_DOWN)
-        if self._register_pending or self.sm.state is not RankState.ATTACHING:
-            raise KvswapError(f"rank {self.rank} already has caches registered "
-                              f"(state {self.sm.state.name})", ErrorCode.ALREADY_REGISTERED)
         hdr = job.header
-        if hdr["backend"] != self.cfg.backend:
-            raise InvalidTask(f"rank {self.rank} runs the {self.cfg.backend} backend, the worker "
-                              f"registered {hdr['backend']} tensors", ErrorCode.BAD_LAYOUT)
-        job.tensors = [TensorDesc.from_wire(t) for t in hdr["tensors"]]
-        validate_layout(job.tensors)
-        self._register_pending = True
+        with self._registration_lock:
+            state = self.sm.state
+            if self._registration is not None or state is not RankState.ATTACHING:
+                self._answer_repeat_register(job, state)
+                return
+            if hdr["backend"] != self.cfg.backend:
+                raise InvalidTask(f"rank {self.rank} runs the {self.cfg.backend} backend, the "
+                                  f"worker registered {hdr['backend']} tensors",
+                                  ErrorCode.BAD_LAYOUT)
+            job.tensors = [TensorDesc.from_wire(t) for t in hdr["tensors"]]
+            blocks = validate_layout(job.tensors)
+            if blocks > self.cfg.max_device_blocks:
+                raise InvalidTask(
+                    f"rank {self.rank}: the tensors have {blocks} blocks, more than kvswapd "
+                    f"--max-device-blocks {self.cfg.max_device_blocks} (it sizes the socket's "
+                    f"frame limit); relaunch with a larger --max-device-blocks",
+                    ErrorCode.BAD_LAYOUT)
+            self._registration = Registration([t.to_wire() for t in job.tensors])
         self._control.put(job)
+
+    def _answer_repeat_register(self, job: Job, state: RankState) -> None:
+        """A register on a rank that has one in effect (caller holds the lock).
+
+        A worker whose register timed out on its side sends it again while the
+        daemon has finished the first, or is still running it.  The same
+        descriptors (locations included, so the very same memory) get the first
+        one's answer: now, or from the control thread when it ends.  Anything else
+        is ALREADY_REGISTERED: attached caches are only replaced through
+        clear/restore."""
+        reg = self._registration
+        if state in (RankState.CLEARING, RankState.CLEARED):
+            raise KvswapError(f"rank {self.rank} is {state.name}: its caches were released; "
+                              f"call restore_caches() on the TransferClient, then register",
+                              ErrorCode.ALREADY_REGISTERED)
+        differs = "no register" if reg is None else reg.difference(self.cfg.backend, job.header)
+        if differs:
+            raise KvswapError(
+                f"rank {self.rank} already has caches registered (state {state.name}) and this "
+                f"register is not the same ({differs}); to attach other tensors call "
+                f"clear_caches() then restore_caches() on the TransferClient and register "
+                f"again, or relaunch the namespace", ErrorCode.ALREADY_REGISTERED)
+        assert reg is not None
+        if reg.reply is None:
+            reg.waiters.append(job)
+            log.info("register %s repeats the one being attached; answered when it ends",
+                     job.req_id)
+            return
+        code, message, fields = reg.reply
+        log.info("register %s repeats the one in effect; answered with its reply", job.req_id)
+        self._reply(job.route, job.req_id, code, message, fields=fields)
+
+    def _end_registration(self, code: ErrorCode, message: str, fields: dict,
+                          attached: bool) -> None:
+        """Record how the register ended and answer the repeats that waited for it
+        (control thread).  Nothing attached: forget it, so a new register may try."""
+        now = time.perf_counter_ns()
+        with self._registration_lock:
+            reg = self._registration
+            assert reg is not None
+            waiters, reg.waiters = reg.waiters, []
+            reg.reply = (code, message, fields)
+            if not attached:
+                self._registration = None
+        for waiter in waiters:
+            self._complete(Completion(waiter, code, message, now, now, fields=fields))
 
     def _on_pin_progress(self, pinned: int) -> None:
         """Host swap space pinning progress (control thread, during attach)."""
         self.sig[R.SWAP_BYTES_PINNED] = pinned
 
     def _run_register(self, job: Job, req: Request | None) -> dict:
+        """Attach the caches (control thread); repeats of this register that arrived
+        meanwhile get the same answer."""
+        try:
+            fields = self._attach_caches(job)
+        except KvswapError as exc:
+            self._end_registration(exc.code, exc.message, {}, attached=self._swap is not None)
+            raise
+        except Exception as exc:  # the control loop logs it and answers INTERNAL_ERROR
+            self._end_registration(ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", {},
+                                   attached=self._swap is not None)
+            raise
+        self._end_registration(ErrorCode.OK, "", fields, attached=True)
+        return fields
+
+    def _attach_caches(self, job: Job) -> dict:
         tensors = job.tensors
         if self._swap is not None:  # kept across clear(free_host=False): re-adopted below
             self._swap.close(unlink=False)
             self._swap = None
+        swap = HostSwapSpace.open(self.names, self.rank, tensors, self.cfg.host_blocks)
+        self.sig[R.SWAP_BYTES_TOTAL] = swap.nbytes  # before attach: pinning reports progress
         try:
-            swap = HostSwapSpace.open(self.names, self.rank, tensors, self.cfg.host_blocks)
-            self.sig[R.SWAP_BYTES_TOTAL] = swap.nbytes  # before attach: pinning reports progress
-            try:
-                self.backend.attach(tensors, swap)
-            except BaseException:
-                self.sig[R.SWAP_BYTES_TOTAL] = 0
-                self.sig[R.SWAP_BYTES_PINNED] = 0
-                swap.close(unlink=not swap.reused)
-                raise
+            self.backend.attach(tensors, swap)
         except BaseException:
-            self._register_pending = False
+            self.sig[R.SWAP_BYTES_TOTAL] = 0
+            self.sig[R.SWAP_BYTES_PINNED] = 0
+            swap.close(unlink=not swap.reused)
             raise
-        self._swap = swap
+        self._swap = swap  # from here on the caches are attached (_run_register)
         self._num_device_blocks = tensors[0].num_blocks
         self._num_host_blocks = swap.num_host_blocks
         self._block_bytes = sum(t.bytes_per_block for t in tensors)
@@ -881,9 +1036,11 @@ class Daemon:
         self._become_ready()
 
     def _become_ready(self) -> None:
-        if self.sm.to(RankState.READY, only_from=frozenset({RankState.ATTACHING})):
-            if self.rank == 0:
-                self.seg.header[H.KVCACHE_STATUS] = KvCacheStatus.NORMAL
+        """ATTACHING -> READY; rank 0 writes the namespace's KvCacheStatus first, so a
+        client that sees every rank READY (wait_ready) also sees NORMAL."""
+        if self.rank == 0 and self.sm.state is RankState.ATTACHING:
+            self.seg.header[H.KVCACHE_STATUS] = KvCacheStatus.NORMAL
+        self.sm.to(RankState.READY, only_from=frozenset({RankState.ATTACHING}))
 
     # ---------------------------------------------------------------- start-up / restart
     def _registration_path(self) -> Path:
@@ -1124,7 +1281,8 @@ class Daemon:
         """CLEARED -> ATTACHING: the worker registers its (new) tensors next."""
         if not self.sm.to(RankState.ATTACHING, only_from=frozenset({RankState.CLEARED})):
             raise NotReady(f"rank {self.rank} is {self.sm.state.name}, not CLEARED")
-        self._register_pending = False
+        with self._registration_lock:
+            self._registration = None
         if self.cfg.demo_caches is not None:
             self._create_demo_caches(rejoin=False)
         return {}

@@ -115,7 +115,7 @@ NON_DEFAULT = {
     "attach_timeout_s": 12.5,
     "heartbeat_interval_s": 0.025,
     "stale_after_s": 2.0,
-    "max_message_bytes": 1 << 20,
+    "max_device_blocks": 1 << 16,
     "workers": 3,
     "merge": False,
     "max_merge_blocks": 17,
@@ -171,13 +171,13 @@ def test_kvswapd_options_are_first_class_launch_flags():
     cfg = _launch_config(["--namespace", "ns", "--tp", "2", "--workers", "4", "--no-merge",
                           "--orphan-timeout", "1", "--stale-after", "7", "--restart-stale-after",
                           "2.5", "--max-restarts", "0", "--log-level", "debug",
-                          "--max-message-bytes", "1048576"])
+                          "--max-device-blocks", "65536"])
     assert cfg == LaunchConfig(namespace="ns", tp=2, workers=4, merge=False, orphan_timeout_s=1.0,
-                               stale_after_s=7.0, log_level="DEBUG", max_message_bytes=1 << 20,
+                               stale_after_s=7.0, log_level="DEBUG", max_device_blocks=1 << 16,
                                supervision=SupervisorConfig(max_retries=0, stale_after_s=2.5))
     daemon = Launcher(cfg).daemon_config(1)
     assert (daemon.workers, daemon.merge, daemon.orphan_timeout_s, daemon.stale_after_s,
-            daemon.log_level, daemon.max_message_bytes) == (4, False, 1.0, 7.0, "DEBUG", 1 << 20)
+            daemon.log_level, daemon.max_device_blocks) == (4, False, 1.0, 7.0, "DEBUG", 1 << 16)
 
 
 # ------------------------------------------------------------------ validation

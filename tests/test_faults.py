@@ -386,3 +386,21 @@ def test_clear_and_restore_for_a_weight_update(namespaces, free_host):
             w.join(20)
             if w.is_alive():
                 w.kill()
+
+
+def test_ready_is_published_after_the_cache_status(namespaces):
+    """After a restore, a client that sees every rank READY must also see the
+    namespace's KvCacheStatus NORMAL (rank 0 used to publish READY first).  A reader
+    spinning on the segment catches the order of the two writes on each cycle."""
+    launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=HOST)
+    seg = launcher.seg
+    with _client(launcher) as client:
+        for cycle in range(5):
+            client.clear_caches().result(30)
+            restored = client.restore_caches()
+            deadline = time.monotonic() + 20
+            while seg.state_of(0) != RankState.READY:  # no sleep: the window is microseconds
+                assert time.monotonic() < deadline, "rank 0 did not become READY again"
+            status = KvCacheStatus(int(seg.header[H.KVCACHE_STATUS]))
+            assert status == KvCacheStatus.NORMAL, f"cycle {cycle}: READY while {status.name}"
+            assert restored.result(10).replies[0].ok

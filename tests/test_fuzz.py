@@ -12,7 +12,7 @@ from kvswap.client.errors import ErrorCode
 from kvswap.client.protocol import OPS, PROTOCOL_VERSION, Op, decode_reply, encode_transfer, packb
 
 LAYOUT = "layers=2,block_tokens=4,heads=2,head_dim=8,blocks=32"
-MAX_MESSAGE = 1 << 20
+MAX_MESSAGE = 1 << 20  # the frame limit: 8-byte ids of --max-device-blocks MAX_MESSAGE // 8
 STATEFUL = {Op.SHUTDOWN, Op.PAUSE, Op.RESUME, Op.CLEAR, Op.RESTORE}
 
 ANY = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(),
@@ -72,7 +72,7 @@ def _rss_kib(pid: int) -> int:
 
 def test_fuzz_daemon_socket(namespaces):
     launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=32,
-                                 max_message_bytes=MAX_MESSAGE)
+                                 max_device_blocks=MAX_MESSAGE // 8)
     pid = launcher.procs[0].pid
     ctx = zmq.Context(1)
     sock = ctx.socket(zmq.DEALER)

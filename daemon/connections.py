@@ -1,0 +1,216 @@
+"""Refuse connections before they use up the daemon's file descriptors.
+
+Every connection a peer opens to a rank's ROUTER holds one file descriptor in
+the daemon until the peer goes away.  Running out is fatal, not just a refused
+connection: libzmq 4.3's ``ipc://`` listener asserts that ``accept()`` never
+fails with EMFILE (``src/ipc_listener.cpp``) and aborts the process, so
+enough idle DEALERs would kill the daemon, its restarts too, and the
+supervisor would give up on the namespace.
+
+:class:`ConnectionGuard` lets connections use the first quarter of
+``RLIMIT_NOFILE`` and keeps the rest for the daemon's own needs (shm segments,
+storage files and sockets, CUDA driver handles) and as head room for the
+connections libzmq accepts before the guard sees them::
+
+    0 ............ limit/4 ............................................ limit
+    | kept         | refused at once: head room for a burst of connections |
+                   ^ threshold
+
+A rank serves a handful of peers (the engine's clients and workers, the
+launcher, monitors), so a quarter is far more than they need: 256 connections
+under a hard limit of 1024, 16384 under 65536.
+
+It runs a thread on the ROUTERs' monitor sockets.  For every ``ACCEPTED``
+event (its value is the new connection's descriptor) whose descriptor number is
+at or above the threshold it shuts that connection down: descriptors are
+handed out lowest first, so a new one that high means that many are open.
+``shutdown(SHUT_RDWR)`` on the descriptor makes libzmq see the connection end
+and drop it cleanly; the descriptor stays libzmq's to close.  Before touching
+it the guard checks that it still is a connection of that listener: an event
+can arrive after its connection closed and its number was reused.
+
+A refused DEALER reconnects 100 ms later, so refusing alone turns a flood of N
+idle connections into N accepts and refusals every 100 ms, and when that
+outruns the guard the descriptors in flight exhaust the limit after all
+(measured: 1500 DEALERs against a limit of 256).  So on ``ipc://`` the guard
+also closes the door: it renames the socket file away for :data:`DOOR_S`, and
+new connects fail in the peer (ENOENT) without reaching the daemon, while
+established connections, which do not use the name, go on.  It renames it
+back after that, or at :meth:`ConnectionGuard.close` so libzmq removes it as
+usual.  A ``tcp://`` port has no such door; there libzmq survives EMFILE
+(reporting ``accept failed``) and the guard refuses connection by connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import socket
+import threading
+import time
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+log = logging.getLogger("kvswap.daemon")
+
+_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_ACCEPT_FAILED | zmq.EVENT_MONITOR_STOPPED
+DOOR_S = 1.0  # how long an ipc:// socket file stays renamed away after a refusal
+LOG_EVERY_S = 30.0  # refusal reports; longer than the log filter's 10 s window (daemon/logs.py)
+
+
+def fd_limit() -> int:
+    """The soft RLIMIT_NOFILE (what ``open``/``accept`` fail at)."""
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def _is_connection_of(sock: socket.socket, endpoint: str) -> bool:
+    """Whether ``sock`` was accepted by the listener bound to ``endpoint``: an
+    accepted socket's local address is the listener's path (ipc) or port (tcp)."""
+    try:
+        local = sock.getsockname()
+    except OSError:
+        return False
+    if endpoint.startswith("ipc://"):
+        return sock.family == socket.AF_UNIX and local == endpoint[len("ipc://"):]
+    port = endpoint.rsplit(":", 1)[-1]
+    return (sock.family in (socket.AF_INET, socket.AF_INET6) and port.isdigit()
+            and local[1] == int(port))
+
+
+class ConnectionGuard:
+    """Watches the given bound ROUTERs and refuses connections past the threshold.
+
+    Created and closed by the thread that owns the ROUTERs (``monitor`` and
+    ``disable_monitor`` are calls on them); the monitor sockets and the door
+    belong to the guard's thread until :meth:`close` has joined it.  Refusals
+    are logged at most once per :data:`LOG_EVERY_S`, with a count."""
+
+    def __init__(self, ctx: zmq.Context, routers: list[zmq.Socket]):
+        self.limit = fd_limit()
+        self.threshold = self.limit // 4
+        self.refused = 0  # connections shut down (guard thread writes, others read)
+        self._reported = 0  # refusals already counted in a log line
+        self._reported_at = -LOG_EVERY_S  # monotonic time of the last report
+        self._closed_doors: dict[str, float] = {}  # ipc path -> monotonic time to reopen
+        self._routers: list[zmq.Socket] = []  # those with a monitor enabled
+        self._monitors: list[zmq.Socket] = []
+        try:
+            for i, router in enumerate(routers):
+                addr = f"inproc://kvswap-monitor-{id(self)}-{i}"
+                router.monitor(addr, _EVENTS)
+                self._routers.append(router)
+                mon = ctx.socket(zmq.PAIR)
+                self._monitors.append(mon)
+                # Never drop an ACCEPTED event: a missed one is a connection kept past
+                # the threshold.  The queue holds about one event per connection
+                # accepted while the guard is behind, so the fd limit bounds it.
+                mon.setsockopt(zmq.RCVHWM, 0)
+                mon.setsockopt(zmq.LINGER, 0)
+                mon.connect(addr)
+        except zmq.ZMQError:
+            self._stop_monitors()
+            for mon in self._monitors:
+                mon.close()
+            raise
+        self._thread = threading.Thread(target=self._run, name="connection-guard", daemon=True)
+        self._thread.start()
+
+    def _stop_monitors(self) -> None:
+        for router in self._routers:
+            router.disable_monitor()
+
+    def close(self) -> None:
+        """Stop monitoring (the thread exits once every monitor reported it stopped)
+        and put back any socket file renamed away."""
+        self._stop_monitors()
+        self._thread.join(10)
+        if self._thread.is_alive():
+            log.error("connection guard did not stop within 10s")
+            return
+        for path in list(self._closed_doors):
+            self._open_door(path)
+
+    # ------------------------------------------------------------ guard thread
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        for mon in self._monitors:
+            poller.register(mon, zmq.POLLIN)
+        live = len(self._monitors)
+        while live:
+            now = time.monotonic()
+            for path, reopen_at in list(self._closed_doors.items()):
+                if now >= reopen_at:
+                    self._open_door(path)
+            wait = min(self._closed_doors.values(), default=None)
+            timeout = None if wait is None else max(0, int((wait - now) * 1000) + 1)
+            for mon, _ in poller.poll(timeout):
+                while True:  # drain: one wake-up per burst, not per event
+                    try:
+                        frames = mon.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    event = parse_monitor_message(frames)
+                    kind = event["event"]
+                    if kind == zmq.EVENT_ACCEPTED:
+                        if event["value"] >= self.threshold:
+                            self._refuse(event["value"], event["endpoint"].decode())
+                    elif kind == zmq.EVENT_ACCEPT_FAILED:
+                        log.error("accept failed on %s: %s", event["endpoint"].decode(),
+                                  os.strerror(event["value"]))
+                    elif kind == zmq.EVENT_MONITOR_STOPPED:
+                        poller.unregister(mon)
+                        mon.close()
+                        live -= 1
+                        break
+
+    def _refuse(self, fd: int, endpoint: str) -> None:
+        """Shut down the connection on ``fd`` if it still is one of ``endpoint``'s.
+
+        The socket object wraps libzmq's descriptor without owning it (``detach``):
+        closing it stays libzmq's job once it sees the connection end."""
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # closed since, or the number now names something else
+            return
+        try:
+            if not _is_connection_of(sock, endpoint):
+                return
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # the peer is already gone
+                return
+        finally:
+            sock.detach()
+        self.refused += 1
+        if endpoint.startswith("ipc://"):
+            self._close_door(endpoint[len("ipc://"):])
+        now = time.monotonic()
+        if now - self._reported_at >= LOG_EVERY_S:
+            log.warning("refused %d connection(s) on %s since the last report (one every %.0fs "
+                        "at most): the newest got file descriptor %d of a limit of %d, and the "
+                        "upper three quarters are kept for the daemon's own use; find the peer "
+                        "holding idle connections, or raise the hard open-file limit "
+                        "(ulimit -Hn, systemd LimitNOFILE=)", self.refused - self._reported,
+                        endpoint, LOG_EVERY_S, fd, self.limit)
+            self._reported_at = now
+            self._reported = self.refused
+
+    def _close_door(self, path: str) -> None:
+        if path in self._closed_doors:
+            return
+        try:
+            os.rename(path, path + ".refusing")
+        except OSError as exc:
+            log.error("cannot rename %s away to turn new connections back: %s", path, exc)
+            return
+        self._closed_doors[path] = time.monotonic() + DOOR_S
+
+    def _open_door(self, path: str) -> None:
+        del self._closed_doors[path]
+        try:
+            os.rename(path + ".refusing", path)
+        except OSError as exc:
+            log.error("cannot rename %s back: %s; new connections fail until the daemon "
+                      "restarts", path, exc)

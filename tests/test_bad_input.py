@@ -1,0 +1,382 @@
+"""Bad input costs at most its own request (issue #12).
+
+Each attack runs against a real daemon process: oversized frames, messages
+with more frames than any request has, connections that would use up its file
+descriptors, a register repeated after it timed out on the client.  Afterwards
+the daemon has the same pid, answers a ping from a client connected before the
+attack within 2 s, and its peak memory stayed within a bound.
+"""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from kvswap.client import CacheTensor, CacheWorker, ErrorCode, TransferClient
+from kvswap.client.auth import sign, verify
+from kvswap.client.errors import InvalidTask, NotReady, RankTimeout
+from kvswap.client.protocol import (
+    MAX_FRAMES,
+    Op,
+    decode_reply,
+    max_frame_bytes,
+    packb,
+    request_header,
+    validate_storage,
+)
+from kvswap.client.signals import R, RankState, poll_until
+from kvswap.daemon.launcher import LaunchConfig, Launcher
+
+from conftest import free_port
+
+LAYOUT = "layers=2,block_tokens=4,heads=2,head_dim=8,blocks=32"
+HOST_BLOCKS = 64
+SECRET = b"0123456789abcdef-kvswap-bad-input"
+MiB = 1 << 20
+# The daemon's frame limit under the default --max-device-blocks (1 << 20): 8 MiB.
+FRAME_LIMIT = max_frame_bytes(1 << 20, HOST_BLOCKS)
+
+
+def _status_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+@dataclass
+class Target:
+    """A running rank 0, the endpoint an attacker uses, and a client connected before."""
+
+    launcher: Launcher
+    endpoint: str
+    signed: bool
+    client: TransferClient
+
+    @property
+    def pid(self) -> int:
+        return self.launcher.procs[0].pid
+
+    def assert_serving(self) -> None:
+        """Same process, alive, and a ping from the earlier client answered within 2 s."""
+        assert self.launcher.procs[0].poll() is None, "the daemon exited"
+        assert int(self.launcher.seg.ranks[0, R.PID]) == self.pid
+        t0 = time.monotonic()
+        reply = self.client.ping().result(2.0).replies[0]
+        assert time.monotonic() - t0 < 2.0
+        assert reply.fields["pid"] == self.pid and reply.fields["state"] == "READY"
+
+
+@pytest.fixture(params=["ipc", "tcp"])
+def target(request, namespaces, tmp_path):
+    kw = {}
+    if request.param == "tcp":
+        secret = tmp_path / "secret"
+        secret.write_bytes(SECRET)
+        secret.chmod(0o600)
+        port = free_port()
+        kw = {"tcp": f"127.0.0.1:{port}", "secret_file": str(secret)}
+    launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=HOST_BLOCKS, **kw)
+    names = launcher.names
+    if request.param == "tcp":
+        client = TransferClient(names.namespace, 1, run_root=str(names.run_root),
+                                tcp=kw["tcp"], secret=SECRET)
+        endpoint = f"tcp://{kw['tcp']}"
+    else:
+        client = TransferClient(names.namespace, 1, run_root=str(names.run_root))
+        endpoint = names.endpoint(0)
+    try:
+        client.wait_ready(10)
+        yield Target(launcher, endpoint, request.param == "tcp", client)
+    finally:
+        client.close()
+
+
+class Attacker:
+    """A DEALER that sends one message at a time and waits for its outcome: a reply
+    (its code), or the daemon's libzmq closing the connection (None)."""
+
+    def __init__(self, endpoint: str, signed: bool):
+        self.signed = signed
+        self.ctx = zmq.Context(1)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDTIMEO, 10_000)
+        self.mon = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.sock.connect(endpoint)
+
+    def send(self, frames: list, timeout_s: float = 30.0) -> ErrorCode | None:
+        self.sock.send_multipart(frames, copy=False)
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.mon, zmq.POLLIN)
+        events = dict(poller.poll(int(timeout_s * 1000)))
+        assert events, f"no reply and no disconnect within {timeout_s}s"
+        if self.mon in events:
+            assert parse_monitor_message(self.mon.recv_multipart())["event"] == \
+                zmq.EVENT_DISCONNECTED
+            return None
+        body = self.sock.recv_multipart()
+        if self.signed:
+            _, body = verify(SECRET, body)
+        return decode_reply(body[0]).code
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.mon.close()
+        self.sock.close()
+        self.ctx.term()
+
+
+def _ping_frames(signed: bool) -> list:
+    header = request_header(Op.PING, 5, {"ts": time.time_ns()} if signed else None)
+    return [packb(header)]
+
+
+def test_oversized_frames_are_refused_before_they_are_buffered(target):
+    """Issue #12: a ping with 16 extra frames of 60 MB, sent three times, took the
+    daemon from 146 MB to 1.96 GB.  Scaled to 16 x 24 MB: each frame is over the
+    daemon's frame limit (8 MiB here), so libzmq closes the connection on the
+    frame's length prefix and buffers none of it; over tcp:// no secret is needed
+    to try, the daemon's peak memory grows by less than 32 MiB either way."""
+    rss_before = _status_kib(target.pid, "VmRSS")
+    big = np.zeros(24 * MiB, np.uint8)  # one buffer, sent 16 x 3 times zero-copy
+    attacker = Attacker(target.endpoint, target.signed)
+    try:
+        outcomes = [attacker.send(_ping_frames(target.signed) + [big] * 16) for _ in range(3)]
+    finally:
+        attacker.close()
+    peak = _status_kib(target.pid, "VmHWM")
+    print(f"\nRSS {rss_before} KiB before, peak {peak} KiB after 3 x 16 x 24 MB")
+    assert outcomes == [None] * 3  # each one closed its connection, unanswered
+    target.assert_serving()
+    assert peak - rss_before < 32 * 1024
+
+
+def test_frames_under_the_limit_cost_one_message_at_a_time(target):
+    """Frames just under the limit pass libzmq, which buffers a message whole before
+    the daemon reads any of it; the daemon answers each and releases it, so three
+    such messages cost one at a time: peak growth under 16 frames x the limit
+    (128 MiB) plus 32 MiB."""
+    rss_before = _status_kib(target.pid, "VmRSS")
+    frame = np.zeros(FRAME_LIMIT, np.uint8)
+    attacker = Attacker(target.endpoint, target.signed)
+    try:
+        expected = ErrorCode.AUTH_FAILED if target.signed else ErrorCode.BAD_FRAMES
+        for _ in range(3):
+            assert attacker.send(_ping_frames(target.signed) + [frame] * 16) == expected
+    finally:
+        attacker.close()
+    target.assert_serving()
+    peak = _status_kib(target.pid, "VmHWM")
+    print(f"\nRSS {rss_before} KiB before, peak {peak} KiB after 3 x 16 x {FRAME_LIMIT} B")
+    assert peak - rss_before < (16 * FRAME_LIMIT + 32 * MiB) // 1024
+
+
+def test_a_message_of_too_many_frames_is_refused_and_released(target):
+    """More frames than any request has (MAX_FRAMES): the daemon keeps the first
+    MAX_FRAMES, releases the rest as it reads them and answers MESSAGE_TOO_LARGE
+    instead of holding a Python object per frame."""
+    rss_before = _status_kib(target.pid, "VmRSS")
+    frames = _ping_frames(target.signed) + [b""] * 400_000
+    if target.signed:
+        frames = sign(SECRET, frames)
+    attacker = Attacker(target.endpoint, target.signed)
+    try:
+        assert attacker.send(frames) == ErrorCode.MESSAGE_TOO_LARGE
+        ok = _ping_frames(target.signed) + [b""] * (MAX_FRAMES - 1)  # at the limit: read whole
+        assert attacker.send(sign(SECRET, ok) if target.signed else ok) == ErrorCode.BAD_FRAMES
+    finally:
+        attacker.close()
+    target.assert_serving()
+    peak = _status_kib(target.pid, "VmHWM")
+    print(f"\nRSS {rss_before} KiB before, peak {peak} KiB after 400000 empty frames")
+    assert peak - rss_before < 64 * 1024
+
+
+# ------------------------------------------------------------------ file descriptors
+
+# Sets the soft and the hard open-file limit, then becomes the daemon: the limit
+# cannot be raised back, so only the connection guard can keep the daemon alive.
+_LIMIT_THEN_EXEC = ("import os, resource, sys; "
+                    "resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard})); "
+                    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+# Opens N idle DEALER connections to an endpoint and holds them until stdin closes.
+_FLOOD = """
+import resource, sys, zmq
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+endpoint, n = sys.argv[1], int(sys.argv[2])
+ctx = zmq.Context(1)
+ctx.set(zmq.MAX_SOCKETS, n + 16)
+socks = []
+for _ in range(n):
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(endpoint)
+    socks.append(s)
+print("connected", flush=True)
+sys.stdin.read()
+for s in socks:
+    s.close()
+ctx.term()
+"""
+
+
+class LimitedLauncher(Launcher):
+    """Starts each daemon under the given open-file limits."""
+
+    def __init__(self, cfg: LaunchConfig, soft: int, hard: int):
+        super().__init__(cfg)
+        self.nofile = (soft, hard)
+
+    def daemon_command(self, rank: int) -> list[str]:
+        cmd = super().daemon_command(rank)
+        soft, hard = self.nofile
+        return [cmd[0], "-c", _LIMIT_THEN_EXEC.format(soft=soft, hard=hard), *cmd[1:]]
+
+
+def _launch_limited(namespaces, soft: int, hard: int) -> Launcher:
+    names = namespaces.new()
+    launcher = LimitedLauncher(LaunchConfig(namespace=names.namespace, tp=1,
+                                            run_root=namespaces.run_root, demo_caches=LAYOUT,
+                                            host_blocks=HOST_BLOCKS, stop_timeout_s=6.0),
+                               soft, hard)
+    namespaces.launchers.append(launcher)
+    launcher.start()
+    launcher.wait_ready(30)
+    return launcher
+
+
+def _open_file_limit(pid: int) -> tuple[int, int]:
+    with open(f"/proc/{pid}/limits") as f:
+        line = next(ln for ln in f if ln.startswith("Max open files"))
+    soft, hard = line.split()[3:5]
+    return int(soft), int(hard)
+
+
+def test_connection_flood_is_refused_not_fatal(namespaces):
+    """Issue #12: idle connections past the open-file limit made libzmq abort the
+    daemon (ipc_listener.cpp asserts on EMFILE).  Started with soft limit 512 and
+    hard limit 1024, the daemon raises the soft limit to 1024 and logs it; 1100
+    idle DEALERs from another process then get refused (logged) instead of killing
+    it, and once they are gone a new client connects again."""
+    n = 1100
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 2 * n + 64:
+        pytest.skip(f"the flooding process needs {2 * n + 64} open files")
+    launcher = _launch_limited(namespaces, soft=512, hard=1024)
+    pid = launcher.procs[0].pid
+    assert _open_file_limit(pid) == (1024, 1024)
+    log_path = launcher.names.log_path(0)
+    assert "open-file limit raised from 512 to the hard limit 1024" in log_path.read_text()
+    names = launcher.names
+    with TransferClient(names.namespace, 1, run_root=str(names.run_root)) as client:
+        client.wait_ready(10)
+        assert client.ping().result(2.0).replies[0].ok  # connected before the flood
+        flood = subprocess.Popen([sys.executable, "-c", _FLOOD, names.endpoint(0), str(n)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert flood.stdout.readline().strip() == "connected"
+
+            def refused() -> bool | None:
+                assert launcher.procs[0].poll() is None, \
+                    f"the daemon died: {log_path.read_text()[-2000:]}"
+                return True if "refused 1 connection(s) on" in log_path.read_text() else None
+
+            assert poll_until(refused, time.monotonic() + 30), "no refusal was logged"
+            t0 = time.monotonic()
+            reply = client.ping().result(2.0).replies[0]
+            assert time.monotonic() - t0 < 2.0
+            assert reply.fields["pid"] == pid and reply.fields["state"] == "READY"
+            assert client.evict([1, 2], [3, 4]).result(10).replies[0].ok
+        finally:
+            flood.stdin.close()
+            flood.wait(30)
+    with TransferClient(names.namespace, 1, run_root=str(names.run_root)) as late:
+        assert late.ping().result(10).replies[0].fields["pid"] == pid
+    assert int(launcher.seg.ranks[0, R.PID]) == pid
+
+
+# ------------------------------------------------------------------ register
+
+
+def _tensors(worker: CacheWorker, blocks: int, block_bytes: int) -> list[CacheTensor]:
+    return [CacheTensor(name, 0, worker.alloc_host_tensor(name, (blocks, block_bytes), "uint8"))
+            for name in ("k0", "v0")]
+
+
+def test_register_repeated_after_it_succeeded_gets_the_same_reply(namespaces):
+    """A worker whose register timed out on its side sends it again after the daemon
+    finished it: the same tensors get the same reply, not ALREADY_REGISTERED; other
+    tensors get ALREADY_REGISTERED with what to do, and the rank is unchanged."""
+    launcher = namespaces.launch(tp=1, demo_caches=None, host_blocks=HOST_BLOCKS, wait=False)
+    names = launcher.names
+    with CacheWorker(names.namespace, 0, run_root=str(names.run_root)) as worker:
+        tensors = _tensors(worker, 32, 256)
+        first = worker.register(tensors, timeout=30)
+        launcher.wait_ready(30)
+        again = worker.register(tensors, timeout=10)
+        assert again.ok and again.fields == first.fields == {
+            "num_device_blocks": 32, "num_host_blocks": HOST_BLOCKS}
+        other = CacheTensor("k1", 0, worker.alloc_host_tensor("k1", (32, 256), "uint8"))
+        with pytest.raises(NotReady) as ei:
+            worker.register([tensors[0], other], timeout=10)
+        assert ei.value.code == ErrorCode.ALREADY_REGISTERED
+        assert "clear_caches()" in ei.value.message and "restore_caches()" in ei.value.message
+        assert "tensor 'v0' differs in name" in ei.value.message
+        assert launcher.seg.state_of(0) == RankState.READY
+        with TransferClient(names.namespace, 1, run_root=str(names.run_root)) as client:
+            assert client.evict([1], [2]).result(10).replies[0].ok
+
+
+def test_register_sent_again_while_the_first_runs_is_answered_when_it_ends(namespaces):
+    """The register times out on the worker while the daemon is still attaching (a
+    128 MiB host pool to populate); the worker sends it again at once.  The repeat
+    waits for the first and gets its reply."""
+    blocks, block_bytes = 256, 128 << 10  # 2 x 32 MiB device tensors
+    host_blocks = 512  # 2 x 64 MiB host pool
+    launcher = namespaces.launch(tp=1, demo_caches=None, host_blocks=host_blocks, wait=False)
+    names = launcher.names
+    with CacheWorker(names.namespace, 0, run_root=str(names.run_root)) as worker:
+        tensors = _tensors(worker, blocks, block_bytes)
+        with pytest.raises(RankTimeout):
+            worker.register(tensors, timeout=0.005)
+        reply = worker.register(tensors, timeout=60)
+        assert reply.ok and reply.fields == {"num_device_blocks": blocks,
+                                             "num_host_blocks": host_blocks}
+        launcher.wait_ready(30)
+        assert "repeats the one being attached" in names.log_path(0).read_text()
+        assert int(launcher.seg.ranks[0, R.FAILED]) == 0
+
+
+def test_register_past_max_device_blocks_is_refused_with_the_flag(namespaces):
+    """The frame limit is sized from --max-device-blocks, so a cache with more blocks
+    is refused at register (nothing attached), naming the flag to raise."""
+    launcher = namespaces.launch(tp=1, demo_caches=None, host_blocks=HOST_BLOCKS, wait=False,
+                                 max_device_blocks=16)
+    names = launcher.names
+    with CacheWorker(names.namespace, 0, run_root=str(names.run_root)) as worker:
+        with pytest.raises(InvalidTask) as ei:
+            worker.register(_tensors(worker, 32, 256), timeout=10)
+        assert ei.value.code == ErrorCode.BAD_LAYOUT
+        assert "--max-device-blocks 16" in ei.value.message
+        assert launcher.seg.state_of(0) == RankState.ATTACHING
+        small = [CacheTensor("s0", 0, worker.alloc_host_tensor("s0", (16, 256), "uint8"))]
+        assert worker.register(small, timeout=10).fields["num_device_blocks"] == 16
+
+
+def test_more_storage_keys_than_host_blocks_are_refused():
+    """A keys frame is bounded by one 32-byte key per host block (it sizes the frame
+    limit); more keys in one message are refused before anything is sent."""
+    for op, host in ((Op.EXISTS, None), (Op.BACKUP, np.zeros(65, np.int64))):
+        with pytest.raises(InvalidTask) as ei:
+            validate_storage(op, host, 65, 64)
+        assert ei.value.code == ErrorCode.MESSAGE_TOO_LARGE and "split" in ei.value.message
+    validate_storage(Op.EXISTS, None, 64, 64)

@@ -21,12 +21,13 @@ from kvswap.client.errors import (
     StorageTimeout,
     TransferFailed,
 )
+from kvswap.client.host_cache import HostCache
 from kvswap.client.protocol import PROTOCOL_VERSION
 from kvswap.client.signals import RankState
 from kvswap.client.transfer_client import TaskResult, TransferClient, TransferFuture, TransferSpec
 
 __all__ = [
-    "BarrierAborted", "BarrierTimeout", "CacheTensor", "CacheWorker", "ErrorCode",
+    "BarrierAborted", "BarrierTimeout", "CacheTensor", "CacheWorker", "ErrorCode", "HostCache",
     "InvalidTask", "KvswapError", "NamespaceError", "NotReady", "PROTOCOL_VERSION",
     "ProtocolError", "RankFailure", "RankRestarted", "RankState", "RankTimeout", "TaskResult",
     "StorageError", "StorageTimeout", "TransferClient", "TransferFailed", "TransferFuture",

@@ -83,6 +83,7 @@ class BlockIndex:
     def prepare_load(self, hashes: Hashes) -> list[int]:
         get = self._blocks.get
         ids: list[int] = []
+        newly = 0  # blocks that become protected (a local: this loop is hot)
         try:
             for h in hashes:
                 b = get(h)
@@ -90,27 +91,28 @@ class BlockIndex:
                     why = "is not in host memory" if b is None else "has a store still pending"
                     raise ValueError(f"prepare_load: hash #{len(ids)} ({show(h)}) {why}; "
                                      f"load only the leading hashes lookup() counted")
-                if b[1] == 0:
-                    self.protected += 1
+                if not b[1]:
+                    newly += 1
                 b[1] += 1
                 ids.append(b[0])
         except BaseException:
+            self.protected += newly
             self._release(hashes, len(ids))
             raise
+        self.protected += newly
         return ids
 
     def _release(self, hashes: Hashes, count: int) -> None:
-        """Drop one load reference of each of the first ``count`` hashes."""
-        blocks = self._blocks
+        """Undo the first ``count`` steps of a refused prepare_load."""
         for h in list(hashes)[:count]:
-            b = blocks[h]
+            b = self._blocks[h]
             b[1] -= 1
-            if b[1] == 0:
+            if not b[1]:
                 self.protected -= 1
 
     def complete_load(self, hashes: Hashes) -> None:
         get = self._blocks.get
-        done = 0
+        done = freed = 0
         try:
             for h in hashes:
                 b = get(h)
@@ -118,16 +120,22 @@ class BlockIndex:
                     raise ValueError(f"complete_load: hash #{done} ({show(h)}) has no load in "
                                      f"flight (complete_load without prepare_load?)")
                 b[1] -= 1
-                if b[1] == 0:
-                    self.protected -= 1
+                if not b[1]:
+                    freed += 1
                 done += 1
         except BaseException:
-            for h in list(hashes)[:done]:  # undo: take the references back
-                b = self._blocks[h]
-                if b[1] == 0:
-                    self.protected += 1
-                b[1] += 1
+            self.protected -= freed
+            self._take_back(hashes, done)
             raise
+        self.protected -= freed
+
+    def _take_back(self, hashes: Hashes, count: int) -> None:
+        """Undo the first ``count`` steps of a refused complete_load."""
+        for h in list(hashes)[:count]:
+            b = self._blocks[h]
+            if not b[1]:
+                self.protected += 1
+            b[1] += 1
 
     def loading_ids(self, hashes: Hashes) -> list[int]:
         """Host ids of blocks that have a load in flight (``fetch(prepared=True)``)."""
@@ -171,16 +179,16 @@ class BlockIndex:
         """Hashes whose pending store ended: on success those now ready (in call order),
         on failure those removed.  Hashes that are not pending are ignored."""
         get = self._blocks.get
-        pending = [(h, b) for h in hashes if (b := get(h)) is not None and b[1] < 0]
         done = []
-        for h, b in pending:
-            if b[1] >= 0:
-                continue  # named twice in the call: done the first time
-            b[1] = 0
-            if not success:
-                self._unlink(h, b)
-                self._free.append(b[0])
-            done.append(h)
+        # dict.fromkeys: duplicates once, and an unhashable value raises before any change.
+        for h in dict.fromkeys(hashes):
+            b = get(h)
+            if b is not None and b[1] < 0:
+                b[1] = 0
+                if not success:
+                    self._unlink(h, b)
+                    self._free.append(b[0])
+                done.append(h)
         self.pending -= len(done)
         return done
 

@@ -193,14 +193,14 @@ class HostCache:
         self._events: list[CacheEvent] = []
         self._done: collections.deque = collections.deque()  # appended by I/O threads
         self._publisher: HostCacheStatsWriter | None = None
-        self.lookups = 0  # lookup calls
-        self.lookup_blocks = 0  # hashes passed to lookup
-        self.hits = 0  # hashes lookup found ready
-        self.loads = 0  # blocks prepared for loading
-        self.stores = 0  # blocks whose store completed
-        self.store_failures = 0
-        self.store_refusals = 0  # prepare_store calls that found no room
-        self.evictions = 0
+        self._lookups = 0  # lookup calls
+        self._lookup_blocks = 0  # hashes passed to lookup
+        self._hits = 0  # hashes lookup found ready
+        self._loads = 0  # blocks prepared for loading
+        self._stores = 0  # blocks whose store completed
+        self._store_failures = 0
+        self._store_refusals = 0  # prepare_store calls that found no room
+        self._evictions = 0
 
     @property
     def capacity(self) -> int:
@@ -217,9 +217,9 @@ class HostCache:
         if self._done:
             self._drain()
         n = self._index.lookup(hashes)
-        self.lookups += 1
-        self.lookup_blocks += len(hashes)
-        self.hits += n
+        self._lookups += 1
+        self._lookup_blocks += len(hashes)
+        self._hits += n
         if self._publisher is not None:
             self._publisher.maybe_write(self)
         return n
@@ -230,7 +230,7 @@ class HostCache:
         if self._done:
             self._drain()
         ids = self._index.prepare_load(hashes)
-        self.loads += len(ids)
+        self._loads += len(ids)
         return np.array(ids, dtype=np.int64)
 
     def complete_load(self, hashes: Sequence[Hashable]) -> None:
@@ -256,11 +256,11 @@ class HostCache:
             self._drain()
         planned = self._index.prepare_store(hashes)
         if planned is None:
-            self.store_refusals += 1
+            self._store_refusals += 1
             return None
         new, ids, evicted = planned
         if evicted:
-            self.evictions += len(evicted)
+            self._evictions += len(evicted)
             if self._record:
                 self._events.append(CacheEvent(evicted, True))
         return StoreOutput(new, np.array(ids, dtype=np.int64), evicted)
@@ -276,9 +276,9 @@ class HostCache:
     def _complete_store(self, hashes: Sequence[Hashable], success: bool) -> None:
         done = self._index.complete_store(hashes, success)
         if not success:
-            self.store_failures += len(done)
+            self._store_failures += len(done)
         elif done:
-            self.stores += len(done)
+            self._stores += len(done)
             if self._record:
                 self._events.append(CacheEvent(done, False))
 
@@ -308,12 +308,12 @@ class HostCache:
         ix = self._index
         return {"policy": ix.policy, "capacity": ix.capacity, "used": ix.used,
                 "ready": ix.used - ix.pending, "pending": ix.pending,
-                "protected": ix.protected, "lookups": self.lookups,
-                "lookup_blocks": self.lookup_blocks, "hits": self.hits,
-                "hit_ratio": self.hits / self.lookup_blocks if self.lookup_blocks else None,
-                "loads": self.loads, "stores": self.stores,
-                "store_failures": self.store_failures, "store_refusals": self.store_refusals,
-                "evictions": self.evictions, **ix.extra_stats()}
+                "protected": ix.protected, "lookups": self._lookups,
+                "lookup_blocks": self._lookup_blocks, "hits": self._hits,
+                "hit_ratio": self._hits / self._lookup_blocks if self._lookup_blocks else None,
+                "loads": self._loads, "stores": self._stores,
+                "store_failures": self._store_failures, "store_refusals": self._store_refusals,
+                "evictions": self._evictions, **ix.extra_stats()}
 
     def clear(self) -> None:
         """Forget every block (a weight update made them stale); a removed event

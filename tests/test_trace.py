@@ -181,3 +181,15 @@ def test_bench_hostcache_command_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert [r["impl"] for r in out["hostcache"]] == ["reference", "lru", "arc"]
     assert all(r["ns_per_block"] > 0 for r in out["hostcache"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["trace", "--synthetic", "--requests", "100", "--device-blocks", "48", "--sweep", "16,32"],
+    ["trace", "--synthetic", "--requests", "60", "--device-blocks", "48", "--tp", "1"],
+    ["hostcache", "--requests", "100", "--rounds", "1"],
+])
+def test_bench_plots_are_png_files(tmp_path, capsys, argv):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "out.png"
+    assert main(["bench", *argv, "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

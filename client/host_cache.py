@@ -59,6 +59,7 @@ blocks are released: anything sent later into its blocks runs after it.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -76,6 +77,8 @@ from kvswap.client.signals import R
 if TYPE_CHECKING:
     from kvswap.client.host_cache_stats import HostCacheStatsWriter
     from kvswap.client.transfer_client import TaskResult, TransferClient, TransferFuture
+
+log = logging.getLogger("kvswap.client")
 
 POLICIES: dict[str, Callable[[int], BlockIndex]] = {"lru": LruIndex, "arc": ArcIndex}
 
@@ -421,8 +424,10 @@ class HostCache:
             if err is None and backup:
                 try:  # sent before the completion is queued: see "Reusing host blocks"
                     copy = client.backup(out.host_blocks, [keys[h] for h in out.hashes])
-                except KvswapError as exc:
-                    err = exc
+                except Exception as exc:  # this offload's failure, reported by its future
+                    log.exception("write-through backup of evict %d not sent", f.task_id)
+                    err = exc if isinstance(exc, KvswapError) else KvswapError(
+                        f"write-through backup not sent: {exc!r}", ErrorCode.STORAGE_ERROR)
             self._done.append((_STORE, out.hashes, task is not None))
             if copy is None:
                 cf._finish(CacheTransfer(out.hashes, out.host_blocks, tasks=[task])

@@ -237,6 +237,21 @@ def test_backup_without_a_storage_tier_fails_the_future_but_keeps_the_blocks(sys
     assert cache.lookup([70]) == 1  # the evict succeeded: in host memory all the same
 
 
+def test_a_backup_that_cannot_be_sent_fails_the_future_not_the_index(system, monkeypatch):
+    _, client, device = system
+    cache = HostCache(HOST)
+    device.write([0], [71])
+
+    def refuse(*args, **kw):
+        raise RuntimeError("store unreachable")
+
+    monkeypatch.setattr(client, "backup", refuse)
+    with pytest.raises(KvswapError, match="write-through backup not sent") as ei:
+        cache.offload(client, [71], [0], backup=True).result()
+    assert ei.value.code == ErrorCode.STORAGE_ERROR
+    assert cache.lookup([71]) == 1  # the evict's completion was queued all the same
+
+
 # ------------------------------------------------------------------ the trace replay
 
 

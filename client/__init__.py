@@ -23,6 +23,7 @@ from kvswap.client.errors import (
     StorageTimeout,
     TransferFailed,
 )
+from kvswap.client.host_cache import HostCache
 from kvswap.client.protocol import PROTOCOL_VERSION
 from kvswap.client.signals import RankState
 from kvswap.client.transfer_client import TaskResult, TransferClient, TransferFuture, TransferSpec
@@ -33,7 +34,7 @@ except PackageNotFoundError:  # imported from a checkout that was never installe
     __version__ = "0+unknown"
 
 __all__ = [
-    "BarrierAborted", "BarrierTimeout", "CacheTensor", "CacheWorker", "ErrorCode",
+    "BarrierAborted", "BarrierTimeout", "CacheTensor", "CacheWorker", "ErrorCode", "HostCache",
     "InvalidTask", "KvswapError", "NamespaceError", "NotReady", "PROTOCOL_VERSION",
     "ProtocolError", "RankFailure", "RankRestarted", "RankState", "RankTimeout", "TaskResult",
     "StorageError", "StorageTimeout", "TransferClient", "TransferFailed", "TransferFuture",

@@ -36,7 +36,7 @@ from typing import Sequence
 
 __all__ = [
     "FINGERPRINT_BYTES", "KEY_BYTES", "ROOT_KEY", "block_hashes", "entry_name",
-    "model_fingerprint",
+    "model_fingerprint", "storage_key",
 ]
 
 KEY_BYTES = 32
@@ -50,6 +50,7 @@ ROOT_KEY = hashlib.sha256(b"kvswap-block-root-v1").digest()
 """The "previous key" of a sequence's first block when no ``parent`` is given."""
 
 _BLOCK_TAG = b"kvswap-block-v1\x00"
+_HASH_TAG = b"kvswap-hash-key-v1\x00"
 _MODEL_TAG = b"kvswap-model-v1\x00"
 _MAX_TOKEN = (1 << 63) - 1
 _NO_EXTRAS = struct.pack("<I", 0)
@@ -189,3 +190,50 @@ def entry_name(key: bytes, rank: int, fingerprint: bytes) -> str:
         raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes "
                          f"(model_fingerprint()), got {fingerprint!r}")
     return f"kvswap.{fingerprint.hex()}.r{rank}.{key.hex()}"
+
+
+def _encode_hash(value: object, depth: int = 0) -> bytes:
+    """Type tag, u32 length, bytes (tuples: tag, u32 count, then each item encoded)."""
+    if isinstance(value, bool) or depth > 16:
+        raise TypeError(f"a block hash must be an int, str, bytes or a tuple of them, "
+                        f"got {value!r}")
+    if isinstance(value, numbers.Integral):
+        v = int(value)
+        data = v.to_bytes((v + (v < 0)).bit_length() // 8 + 1, "little", signed=True)
+        tag = b"i"
+    elif isinstance(value, str):
+        data, tag = value.encode("utf-8"), b"s"
+    elif isinstance(value, bytes):
+        data, tag = value, b"b"
+    elif isinstance(value, tuple):
+        return b"t" + struct.pack("<I", len(value)) + b"".join(
+            _encode_hash(item, depth + 1) for item in value)
+    else:
+        raise TypeError(f"a block hash must be an int, str, bytes or a tuple of them to have "
+                        f"a storage key, got {type(value).__name__} ({value!r})")
+    if len(data) > 0xFFFFFFFF:
+        raise ValueError(f"a block hash of {len(data)} bytes is too long")
+    return tag + struct.pack("<I", len(data)) + data
+
+
+def storage_key(block_hash: object) -> bytes:
+    """The storage-tier key of a :class:`~kvswap.client.host_cache.HostCache` hash.
+
+    A ``bytes`` of :data:`KEY_BYTES` (what :func:`block_hashes` returns) is the key as
+    it is, so an engine that uses kvswap's block keys finds the entries that
+    ``TransferClient.backup`` wrote under them.  Anything else (an engine's int
+    hashes, a trace's hash ids) is digested: SHA-256 of ``b"kvswap-hash-key-v1\\0"``
+    followed by the value encoded with a type tag, so ``1``, ``"1"`` and ``b"\\x01"``
+    get different keys:
+
+    * int (and numpy integers): ``b"i"``, u32 length, minimal signed two's complement;
+    * str: ``b"s"``, u32 length, UTF-8;
+    * bytes of any other length: ``b"b"``, u32 length, the bytes;
+    * tuple: ``b"t"``, u32 count, then each item encoded the same way (nesting <= 16).
+
+    Lengths and counts are little-endian.  Other types (float, bool, objects) raise
+    ``TypeError``: their hash is not stable across processes.
+    """
+    if isinstance(block_hash, bytes) and len(block_hash) == KEY_BYTES:
+        return bytes(block_hash)
+    return hashlib.sha256(_HASH_TAG + _encode_hash(block_hash)).digest()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from kvswap.client.host_cache_stats import read_host_cache
 from kvswap.client.naming import Names
 from kvswap.client.signals import SignalSegment
 
@@ -15,11 +16,16 @@ _GIB = float(1 << 30)
 
 
 def read_status(namespace: str, run_root: str | None = None) -> dict:
-    seg = SignalSegment.attach(Names.of(namespace, run_root), readonly=True)
+    """The signal segment's snapshot, with ``host_cache``: the host-tier statistics a
+    scheduler's HostCache publishes (``client/host_cache_stats.py``), or None."""
+    names = Names.of(namespace, run_root)
+    seg = SignalSegment.attach(names, readonly=True)
     try:
-        return seg.snapshot()
+        status = seg.snapshot()
     finally:
         seg.close()
+    status["host_cache"] = read_host_cache(names)
+    return status
 
 
 def _age(v: float | None) -> str:
@@ -89,7 +95,20 @@ def format_table(status: dict,
         line,
     ]
     out += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
+    if status.get("host_cache") is not None:
+        out.append(format_host_cache(status["host_cache"]))
     return "\n".join(out)
+
+
+def format_host_cache(hc: dict) -> str:
+    """One line on the host tier, as the scheduler's HostCache published it."""
+    ratio = "-" if hc["hit_ratio"] is None else f"{100 * hc['hit_ratio']:.1f}%"
+    owner = f"pid {hc['owner_pid']}" + ("" if hc["owner_alive"] else " (gone)")
+    return (f"host tier ({hc['policy']}, {owner}, updated {_age(hc['age_s'])} ago): "
+            f"{hc['used']}/{hc['capacity']} blocks used, {hc['pending']} storing, "
+            f"{hc['protected']} loading; hit ratio {ratio} ({hc['hits']} of "
+            f"{hc['lookup_blocks']} blocks looked up), {hc['stores']} stored, "
+            f"{hc['evictions']} evicted")
 
 
 def format_json(status: dict) -> str:

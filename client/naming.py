@@ -104,6 +104,11 @@ class Names:
         return f"/{self.prefix}dev.r{rank}.{check_tensor_name(tensor)}"
 
     @property
+    def host_cache(self) -> str:
+        """Host-tier statistics published by the engine's HostCache (host_cache_stats)."""
+        return f"/{self.prefix}hostcache"
+
+    @property
     def run_dir(self) -> Path:
         return self.run_root / self.namespace
 

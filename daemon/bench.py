@@ -15,8 +15,10 @@ Scenarios (``kvswap bench <name> [--json]``):
 * ``data``: GB/s of scattered-block evicts and loads on the host backend against
   a single-thread ``numpy.copyto`` of the same bytes.
 * ``gpu``: runs ``scripts/bench_gpu.py`` when cupy and a CUDA device are present.
+* ``trace`` and ``hostcache``: the engine-side host tier (``bench_trace``).
 
-``control`` and ``data`` take ``--plot FILE.png`` (needs the ``plot`` extra).
+``control``, ``data``, ``trace`` and ``hostcache`` take ``--plot FILE.png`` (needs
+the ``plot`` extra).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from kvswap.client.layer_progress import LayerProgress
 from kvswap.client.layout import demo_layout
 from kvswap.client.signals import R, poll_until
 from kvswap.client.transfer_client import TransferClient, TransferSpec
+from kvswap.daemon import bench_trace
 from kvswap.daemon.bench_refs import (
     REPLY_TIMEOUT_S,
     BaselineRef,
@@ -756,6 +759,13 @@ SCENARIOS["control"] = (_args_control, bench_control,
                         "reference design's manager queue")
 SCENARIOS["data"] = (_args_data, bench_data,
                      "GB/s of scattered-block evicts and loads vs numpy.copyto")
+SCENARIOS["trace"] = (bench_trace.add_trace_args, bench_trace.bench_trace,
+                      "replay a request trace through device, host (HostCache) and storage "
+                      "tiers, with daemons and as bookkeeping only")
+SCENARIOS["hostcache"] = (bench_trace.add_hostcache_args, bench_trace.bench_hostcache,
+                          "ns per block of HostCache's bookkeeping vs a plain OrderedDict LRU")
+PLOTS["trace"] = bench_trace.plot_trace
+PLOTS["hostcache"] = bench_trace.plot_hostcache
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse._SubParsersAction:

@@ -31,6 +31,12 @@ kvswap_rank_task_seconds               histo.  daemon time per task, labels ``op
                                                exec: started to done), from the
                                                segment's log2 microsecond buckets
 kvswap_rank_errors_total               counter failures by ``code`` (ErrorCode name)
+kvswap_host_cache_*                    mixed   the host tier, when the scheduler's HostCache
+                                               publishes it (label ``policy``): capacity,
+                                               used, pending, protected blocks (gauges),
+                                               hit_ratio (gauge), lookup_blocks, hits,
+                                               loads, stores, store_failures, evictions
+                                               (counters, ``_total``)
 ====================================== ======= ===========================================
 """
 
@@ -70,6 +76,21 @@ _RANK_COUNTERS = (
     ("bytes_evicted", "bytes_evicted", "Bytes copied device -> host."),
     ("bytes_loaded", "bytes_loaded", "Bytes copied host -> device."),
 )
+# (published field, metric name without the kvswap_host_cache_ prefix, help)
+_HOST_GAUGES = (
+    ("capacity", "capacity_blocks", "Host blocks the scheduler's HostCache manages."),
+    ("used", "used_blocks", "Host blocks holding a block (ready or being stored)."),
+    ("pending", "pending_blocks", "Blocks whose store to the host tier is in flight."),
+    ("protected", "protected_blocks", "Ready host blocks with a load in flight."),
+)
+_HOST_COUNTERS = (
+    ("lookup_blocks", "lookup_blocks", "Hashes the scheduler looked up in the host tier."),
+    ("hits", "hits", "Hashes found ready in the host tier."),
+    ("loads", "loads", "Blocks prepared for loading from the host tier."),
+    ("stores", "stores", "Blocks stored in the host tier."),
+    ("store_failures", "store_failures", "Blocks whose store to the host tier failed."),
+    ("evictions", "evictions", "Blocks evicted from the host tier."),
+)
 
 
 def _bucket_bounds() -> list[str]:
@@ -101,6 +122,8 @@ class SignalCollector:
         yield up
         yield from self._namespace_metrics(status)
         yield from self._rank_metrics(status["ranks"])
+        if status["host_cache"] is not None:
+            yield from self._host_cache_metrics(status["host_cache"])
 
     def _namespace_metrics(self, status: dict) -> Iterator[Metric]:
         tp = GaugeMetricFamily("kvswap_tp_size", "Ranks of the namespace.", labels=["namespace"])
@@ -162,6 +185,26 @@ class SignalCollector:
                 errors.add_metric([*labels, name], count)
         yield times
         yield errors
+
+
+    def _host_cache_metrics(self, hc: dict) -> Iterator[Metric]:
+        labels = [self.namespace, hc["policy"]]
+        for field, name, doc in _HOST_GAUGES:
+            g = GaugeMetricFamily(f"kvswap_host_cache_{name}", doc,
+                                  labels=["namespace", "policy"])
+            g.add_metric(labels, hc[field])
+            yield g
+        ratio = GaugeMetricFamily("kvswap_host_cache_hit_ratio",
+                                  "Hits over hashes looked up in the host tier.",
+                                  labels=["namespace", "policy"])
+        if hc["hit_ratio"] is not None:
+            ratio.add_metric(labels, hc["hit_ratio"])
+        yield ratio
+        for field, name, doc in _HOST_COUNTERS:
+            c = CounterMetricFamily(f"kvswap_host_cache_{name}", doc,
+                                    labels=["namespace", "policy"])
+            c.add_metric(labels, hc[field])
+            yield c
 
 
 def registry_for(namespace: str, run_root: str | None = None) -> CollectorRegistry:

@@ -1,0 +1,419 @@
+"""HostCache's contract, case by case (pure bookkeeping, no daemons)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from kvswap.client import HostCache
+from kvswap.client.block_keys import KEY_BYTES, block_hashes, storage_key
+from kvswap.client.host_cache import CacheEvent
+
+BOTH = pytest.mark.parametrize("policy", ["lru", "arc"])
+
+
+def stored(cache: HostCache, hashes) -> np.ndarray:
+    out = cache.prepare_store(hashes)
+    assert out is not None
+    cache.complete_store(out.hashes)
+    return out.host_blocks
+
+
+# ------------------------------------------------------------------ construction
+
+
+@pytest.mark.parametrize("n", [0, -1, 2.0, True, "4"])
+def test_num_blocks_must_be_a_positive_int(n):
+    with pytest.raises(ValueError, match="num_blocks"):
+        HostCache(n)
+
+
+def test_unknown_policy_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="lru, arc"):
+        HostCache(4, "fifo")
+
+
+# ------------------------------------------------------------------ lookup
+
+
+@BOTH
+def test_lookup_counts_leading_ready_hashes(policy):
+    c = HostCache(8, policy)
+    stored(c, [1, 2, 3])
+    assert c.lookup([1, 2, 3, 4]) == 3
+    assert c.lookup([2, 9, 3]) == 1  # stops at the first missing one
+    assert c.lookup([9, 1]) == 0
+    assert c.lookup([]) == 0
+
+
+@BOTH
+def test_lookup_stops_at_a_pending_store(policy):
+    c = HostCache(8, policy)
+    stored(c, [1])
+    out = c.prepare_store([2, 3])
+    assert c.lookup([1, 2, 3]) == 1
+    c.complete_store(out.hashes)
+    assert c.lookup([1, 2, 3]) == 3
+
+
+@BOTH
+def test_bytes_hashes_work_like_ints(policy):
+    keys = block_hashes(list(range(64)), 16)
+    c = HostCache(8, policy)
+    stored(c, keys[:3])
+    assert c.lookup(keys) == 3
+    assert c.lookup([bytes(k) for k in keys[:2]]) == 2  # equal bytes, other objects
+
+
+# ------------------------------------------------------------------ prepare_store
+
+
+@BOTH
+def test_prepare_store_skips_stored_and_repeated_hashes(policy):
+    c = HostCache(8, policy)
+    stored(c, [1, 2])
+    pending = c.prepare_store([3])
+    out = c.prepare_store([2, 4, 3, 4, 5, 1])
+    assert out.hashes == [4, 5]  # 2 and 1 stored, 3 pending, 4 named twice
+    assert out.host_blocks.dtype == np.int64 and len(out.host_blocks) == 2
+    assert out.evicted == []
+    assert pending.hashes == [3]
+
+
+@BOTH
+def test_prepare_store_uses_free_ids_first(policy):
+    c = HostCache(4, policy)
+    a = stored(c, [1, 2])
+    out = c.prepare_store([3, 4])
+    assert out.evicted == []
+    assert sorted([*a.tolist(), *out.host_blocks.tolist()]) == [0, 1, 2, 3]
+
+
+@BOTH
+def test_prepare_store_of_nothing_new_changes_nothing(policy):
+    c = HostCache(2, policy)
+    stored(c, [1, 2])
+    before = c.stats()
+    out = c.prepare_store([2, 1])
+    assert (out.hashes, out.evicted, len(out.host_blocks)) == ([], [], 0)
+    assert c.stats() == before
+
+
+def test_lru_evicts_the_least_recent_and_only_as_many_as_needed():
+    c = HostCache(4, "lru")
+    stored(c, [1, 2, 3, 4])  # 4 is the newest
+    out = c.prepare_store([5, 6])
+    assert out.evicted == [1, 2]
+    assert c.lookup([3, 4]) == 2 and c.lookup([1]) == 0 and c.lookup([2]) == 0
+
+
+def test_lru_new_blocks_are_newest_in_list_order():
+    c = HostCache(3, "lru")
+    stored(c, [1, 2, 3])
+    assert c.prepare_store([4]).evicted == [1]  # 1 was first in its call: oldest
+    c.complete_store([4])
+    assert c.prepare_store([5, 6]).evicted == [2, 3]
+
+
+def test_lru_evicted_ids_are_reused():
+    c = HostCache(2, "lru")
+    ids = stored(c, [1, 2])
+    out = c.prepare_store([3])
+    assert out.evicted == [1] and out.host_blocks.tolist() == [ids[0]]
+
+
+@BOTH
+def test_the_calls_own_stored_hashes_are_not_evicted_to_store_the_rest(policy):
+    c = HostCache(2, policy)
+    stored(c, [1, 2])
+    out = c.prepare_store([1, 3])  # 1 is the oldest, but the call wants it kept
+    assert out.evicted == [2] and out.hashes == [3]
+    c.complete_store(out.hashes)
+    assert c.lookup([1, 3]) == 2
+
+
+@BOTH
+def test_prepare_store_refuses_the_whole_call_when_room_is_short(policy):
+    c = HostCache(3, policy)
+    stored(c, [1, 2, 3])
+    c.prepare_load([1, 2])  # protected
+    c.take_events()
+    before = c.stats()
+    assert c.prepare_store([4, 5]) is None  # only 3 is evictable
+    after = c.stats()
+    assert after.pop("store_refusals") == before.pop("store_refusals") + 1
+    assert after == before
+    assert c.take_events() == []
+    assert c.lookup([1, 2, 3]) == 3  # 3 was not evicted by the refused call
+    out = c.prepare_store([4])
+    assert out.evicted == [3]
+
+
+@BOTH
+def test_more_new_hashes_than_capacity_is_refused(policy):
+    c = HostCache(2, policy)
+    assert c.prepare_store([1, 2, 3]) is None
+    assert c.stats()["used"] == 0
+
+
+@BOTH
+def test_pending_stores_are_neither_evicted_nor_looked_up(policy):
+    c = HostCache(2, policy)
+    c.prepare_store([1, 2])
+    assert c.prepare_store([3]) is None  # both blocks pending: nothing evictable
+    assert c.lookup([1]) == 0
+
+
+@BOTH
+def test_protected_blocks_are_not_evicted_until_complete_load(policy):
+    c = HostCache(2, policy)
+    stored(c, [1, 2])
+    c.prepare_load([1])
+    c.prepare_load([1])  # two loads in flight
+    assert c.prepare_store([3]).evicted == [2]
+    c.complete_store([3])
+    c.complete_load([1])
+    assert c.prepare_store([4]).evicted == [3]  # 1 still has a load in flight
+    c.complete_store([4])
+    c.complete_load([1])
+    c.prepare_load([4])
+    assert c.prepare_store([5]).evicted == [1]  # its last load completed: evictable again
+
+
+# ------------------------------------------------------------------ complete_store
+
+
+@BOTH
+def test_failed_store_frees_its_blocks_for_reuse(policy):
+    c = HostCache(2, policy)
+    out = c.prepare_store([1, 2])
+    c.complete_store(out.hashes, success=False)
+    assert c.stats()["used"] == 0 and c.lookup([1]) == 0
+    again = c.prepare_store([3, 4])
+    assert sorted(again.host_blocks.tolist()) == sorted(out.host_blocks.tolist())
+    assert again.evicted == []
+    assert c.take_events() == []  # a failed store was never announced
+    assert c.stats()["store_failures"] == 2
+
+
+@BOTH
+def test_complete_store_ignores_hashes_that_are_not_pending(policy):
+    c = HostCache(4, policy)
+    stored(c, [1])
+    out = c.prepare_store([1, 2])
+    c.take_events()
+    c.complete_store([1, 2, 2, 9])  # the list given to prepare_store, plus noise
+    assert c.take_events() == [CacheEvent([2], False)]
+    c.complete_store([1, 2], success=False)  # ready blocks are not pending: kept
+    assert c.lookup([1, 2]) == 2 and out.hashes == [2]
+
+
+# ------------------------------------------------------------------ loads
+
+
+@BOTH
+def test_prepare_load_returns_ids_in_order(policy):
+    c = HostCache(4, policy)
+    ids = stored(c, [10, 11, 12])
+    got = c.prepare_load([12, 10])
+    assert got.dtype == np.int64 and got.tolist() == [ids[2], ids[0]]
+    assert c.stats()["protected"] == 2
+
+
+@BOTH
+@pytest.mark.parametrize("case", ["missing", "pending"])
+def test_prepare_load_of_a_block_not_ready_is_refused_and_changes_nothing(policy, case):
+    c = HostCache(4, policy)
+    stored(c, [1, 2])
+    if case == "pending":
+        c.prepare_store([3])
+    with pytest.raises(ValueError, match=r"hash #2 \(3\)"):
+        c.prepare_load([1, 2, 3])
+    assert c.stats()["protected"] == 0
+    with pytest.raises(ValueError, match="no load in flight"):
+        c.complete_load([1])  # the refused call left no reference behind
+
+
+@BOTH
+def test_complete_load_without_prepare_load_is_refused_and_changes_nothing(policy):
+    c = HostCache(4, policy)
+    stored(c, [1, 2])
+    c.prepare_load([1])
+    with pytest.raises(ValueError, match=r"hash #1 \(2\)"):
+        c.complete_load([1, 2])
+    assert c.stats()["protected"] == 1  # 1's reference was given back
+    c.complete_load([1])
+    assert c.stats()["protected"] == 0
+
+
+@BOTH
+def test_unhashable_hashes_change_nothing(policy):
+    c = HostCache(4, policy)
+    stored(c, [1, 2])
+    for call in (c.prepare_load, c.touch, c.prepare_store):
+        with pytest.raises(TypeError):
+            call([1, [2]])
+    assert c.stats()["protected"] == 0 and c.stats()["used"] == 2
+
+
+# ------------------------------------------------------------------ touch
+
+
+def test_lru_touch_makes_the_first_hash_the_most_recent():
+    c = HostCache(4, "lru")
+    stored(c, [1, 2, 3, 4])
+    c.touch([2, 1, 99])  # 99 is not stored: ignored
+    assert c.prepare_store([5, 6]).evicted == [3, 4]
+    c.complete_store([5, 6])
+    assert c.prepare_store([7]).evicted == [1]  # then 2, the most recent of the touched
+
+
+def test_lru_touch_reorders_pending_blocks_too():
+    c = HostCache(3, "lru")
+    stored(c, [1])
+    c.prepare_store([2, 3])
+    c.touch([1])
+    c.complete_store([2, 3])
+    assert c.prepare_store([4]).evicted == [2]
+
+
+def test_arc_touch_promotes_ready_blocks_to_the_frequent_list():
+    c = HostCache(4, "arc")
+    stored(c, [1, 2, 3])
+    c.prepare_store([4])  # pending: a touch is not a second use
+    c.touch([1, 4, 9])
+    s = c.stats()
+    assert (s["t1"], s["t2"]) == (3, 1)
+    c.complete_store([4])
+    # T1 (2, 3, 4) is above the target (0): its oldest go first, T2's 1 stays
+    assert c.prepare_store([5, 6]).evicted == [2, 3]
+    assert c.stats()["b1"] == 1  # |T1| + |B1| <= capacity: ghost 2, the older, is dropped
+
+
+def test_arc_ghost_hit_adapts_the_target_and_returns_to_the_frequent_list():
+    c = HostCache(2, "arc")
+    stored(c, [1, 2])
+    c.touch([1])  # 1 -> T2; T1 = [2]
+    assert c.prepare_store([3]).evicted == [2]  # |T1| 1 > target 0: T1 gives 2, to B1
+    c.complete_store([3])
+    assert (c.stats()["b1"], c.stats()["target_t1"]) == (1, 0)
+    out = c.prepare_store([2])  # 2 comes back: T1 gave it up too early
+    s = c.stats()
+    assert s["target_t1"] == 1  # T1 deserves one block more
+    assert out.evicted == [1]  # now |T1| 1 <= target 1: T2 gives its oldest
+    assert (s["t1"], s["t2"], s["b1"], s["b2"]) == (1, 1, 0, 1)  # 2 went straight to T2
+
+
+def test_arc_refused_call_keeps_the_target_and_the_ghosts():
+    c = HostCache(2, "arc")
+    stored(c, [1, 2])
+    c.touch([1])
+    c.complete_store(c.prepare_store([3]).hashes)  # 2 -> B1
+    c.prepare_load([1, 3])
+    before = c.stats()
+    assert before["b1"] == 1
+    assert c.prepare_store([2]) is None  # a ghost hit, but nothing is evictable
+    after = c.stats()
+    assert after.pop("store_refusals") == before.pop("store_refusals") + 1
+    assert after == before
+
+
+def test_arc_directory_stays_within_twice_the_capacity():
+    c = HostCache(4, "arc")
+    for k in range(50):
+        stored(c, [k])
+        if k % 3 == 0:
+            c.touch([k])
+        s = c.stats()
+        assert s["t1"] + s["b1"] <= 4
+        assert s["t1"] + s["t2"] + s["b1"] + s["b2"] <= 8
+
+
+# ------------------------------------------------------------------ events, stats, clear
+
+
+@BOTH
+def test_events_in_order_and_emptied_by_take(policy):
+    c = HostCache(2, policy)
+    stored(c, [1, 2])
+    out = c.prepare_store([3])
+    c.complete_store([3])
+    assert c.take_events() == [CacheEvent([1, 2], False), CacheEvent(out.evicted, True),
+                               CacheEvent([3], False)]
+    assert c.take_events() == []
+
+
+def test_events_can_be_switched_off():
+    c = HostCache(2, events=False)
+    stored(c, [1, 2])
+    stored(c, [3])
+    assert c.take_events() == []
+
+
+@BOTH
+def test_stats_count_what_happened(policy):
+    c = HostCache(3, policy)
+    stored(c, [1, 2, 3])
+    c.lookup([1, 2, 9])
+    c.lookup([9])
+    c.prepare_load([1])
+    c.prepare_store([4])
+    s = c.stats()
+    assert {k: s[k] for k in ("capacity", "used", "ready", "pending", "protected", "lookups",
+                              "lookup_blocks", "hits", "loads", "stores", "evictions")} == {
+        "capacity": 3, "used": 3, "ready": 2, "pending": 1, "protected": 1, "lookups": 2,
+        "lookup_blocks": 4, "hits": 2, "loads": 1, "stores": 3, "evictions": 1}
+    assert s["hit_ratio"] == 0.5 and s["policy"] == policy
+
+
+@BOTH
+def test_clear_forgets_everything_with_a_removed_event(policy):
+    c = HostCache(3, policy)
+    stored(c, [1, 2, 3])
+    c.take_events()
+    c.clear()
+    assert c.lookup([1]) == 0 and c.stats()["used"] == 0
+    [ev] = c.take_events()
+    assert ev.removed and sorted(ev.hashes) == [1, 2, 3]
+    assert sorted(stored(c, [4, 5, 6]).tolist()) == [0, 1, 2]
+
+
+@BOTH
+def test_clear_is_refused_while_transfers_are_in_flight(policy):
+    c = HostCache(3, policy)
+    stored(c, [1])
+    c.prepare_load([1])
+    c.prepare_store([2])
+    with pytest.raises(ValueError, match="1 store.*1 block"):
+        c.clear()
+    assert c.lookup([1]) == 1
+
+
+@BOTH
+def test_contains_sees_ready_and_pending_blocks(policy):
+    c = HostCache(3, policy)
+    stored(c, [1])
+    c.prepare_store([2])
+    assert 1 in c and 2 in c and 3 not in c
+
+
+# ------------------------------------------------------------------ storage keys
+
+
+def test_storage_key_keeps_32_byte_keys_and_digests_the_rest():
+    key = block_hashes(list(range(16)), 16)[0]
+    assert len(key) == KEY_BYTES and storage_key(key) == key
+    # the documented encoding: tag, u32 length, minimal two's complement
+    assert storage_key(5) == hashlib.sha256(
+        b"kvswap-hash-key-v1\x00" + b"i" + (1).to_bytes(4, "little") + b"\x05").digest()
+    assert storage_key(np.int64(5)) == storage_key(5)
+    keys = {storage_key(v) for v in (1, "1", b"\x01", (1,), -1, 256, b"x" * 31)}
+    assert len(keys) == 7 and all(len(k) == KEY_BYTES for k in keys)
+
+
+@pytest.mark.parametrize("bad", [1.5, True, None, object(), (1, 2.0)])
+def test_storage_key_refuses_values_without_a_stable_encoding(bad):
+    with pytest.raises(TypeError, match="int, str, bytes or a tuple"):
+        storage_key(bad)

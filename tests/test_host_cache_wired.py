@@ -1,0 +1,390 @@
+"""HostCache wired to real daemons (host backend, TP=2): offload, fetch, the storage
+tier, the trace replay, and the statistics published for status and metrics."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvswap.client import ErrorCode, HostCache, KvswapError, NamespaceError, TransferClient
+from kvswap.client import TransferFailed
+from kvswap.client.block_keys import entry_name, model_fingerprint, storage_key
+from kvswap.client.host_cache_stats import FIELDS, SLOTS, read_host_cache
+from kvswap.client.layout import TensorDesc, demo_layout, layout_hash
+from kvswap.client.monitor import format_table, read_status
+from kvswap.daemon.bench_trace import ReplaySetup, replay_bookkeeping, replay_daemons
+from kvswap.daemon.demo import RankView, pattern
+from kvswap.daemon.storage import open_backend
+from kvswap.daemon.trace import SyntheticConfig, synthetic_trace
+
+LAYOUT = "layers=2,block_tokens=4,heads=2,head_dim=8,blocks=32"
+HOST = 16
+TENSORS = [TensorDesc(t.name, t.layer, t.dtype, t.shape) for t in demo_layout(LAYOUT)]
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+class Device:
+    """The test's view of every rank's simulated device tensors; block content is
+    derived from the hash it holds (tag = hash + 1; tag 0 = zeros)."""
+
+    def __init__(self, launcher):
+        self.views = [RankView(launcher.names, r, TENSORS, HOST) for r in range(2)]
+
+    def write(self, blocks, hashes):
+        tags = np.asarray(hashes, dtype=np.int64) + 1
+        for rank, view in enumerate(self.views):
+            for ti, t in enumerate(TENSORS):
+                view.device[ti][blocks] = pattern(rank, ti, tags, t.bytes_per_block // 8)
+
+    def wipe(self, blocks):
+        self.write(blocks, [-1] * len(blocks))
+
+    def holds(self, blocks, hashes) -> bool:
+        tags = np.asarray(hashes, dtype=np.int64) + 1
+        return all(np.array_equal(view.device[ti][blocks],
+                                  pattern(rank, ti, tags, t.bytes_per_block // 8))
+                   for rank, view in enumerate(self.views) for ti, t in enumerate(TENSORS))
+
+    def close(self):
+        for v in self.views:
+            v.close()
+
+
+@pytest.fixture
+def system(namespaces, request):
+    storage = getattr(request, "param", None)
+    kw = {"storage_url": storage(request)} if storage else {}
+    launcher = namespaces.launch(tp=2, demo_caches=LAYOUT, host_blocks=HOST, **kw)
+    client = TransferClient(launcher.names.namespace, 2, run_root=str(launcher.names.run_root),
+                            task_timeout=30)
+    device = Device(launcher)
+    try:
+        client.wait_ready(20)
+        yield launcher, client, device
+    finally:
+        client.close()
+        device.close()
+
+
+def _file_store(request) -> str:
+    return f"file://{request.getfixturevalue('tmp_path')}/store"
+
+
+STORAGE = pytest.mark.parametrize("system", [_file_store], indirect=True)
+
+
+# ------------------------------------------------------------------ offload / fetch
+
+
+def test_offload_then_fetch_moves_and_verifies_blocks_on_every_rank(system):
+    _, client, device = system
+    cache = HostCache(HOST)
+    hashes = [100, 101, 102, 103, 104, 105]
+    device.write([0, 1, 2, 3, 4, 5], hashes)
+    res = cache.offload(client, hashes, [0, 1, 2, 3, 4, 5]).result()
+    assert res.hashes == hashes and len(res.tasks) == 1 and res.nbytes > 0
+    # The I/O thread only queued the completion: the index is untouched until the
+    # scheduler thread's next call, which applies it before answering.
+    assert cache._index.pending == 6
+    assert cache.lookup(hashes) == 6
+    assert cache._index.pending == 0
+    again = cache.offload(client, hashes[:3] + [100], [0, 1, 2, 0])
+    assert again.done() and again.result().hashes == [] and again.result().tasks == []
+    device.wipe([10, 11, 12, 13, 14, 15])
+    got = cache.fetch(client, hashes[::-1], [10, 11, 12, 13, 14, 15])
+    assert cache.stats()["protected"] == 6  # protected while the load runs
+    assert got.result().hashes == hashes[::-1]
+    assert device.holds([10, 11, 12, 13, 14, 15], hashes[::-1])
+    assert cache.poll() == 1 and cache.stats()["protected"] == 0
+
+
+def test_offload_stores_only_what_is_new_and_evicts_for_room(system):
+    _, client, device = system
+    cache = HostCache(4)
+    device.write([0, 1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6])
+    cache.offload(client, [1, 2, 3, 4], [0, 1, 2, 3]).result()
+    res = cache.offload(client, [3, 5, 6], [2, 4, 5]).result()  # 3 is stored already
+    assert res.hashes == [5, 6]
+    assert [e.hashes for e in cache.take_events() if e.removed] == [[1, 2]]
+    device.wipe([20, 21, 22, 23])
+    cache.fetch(client, [3, 4, 5, 6], [20, 21, 22, 23]).result()
+    assert device.holds([20, 21, 22, 23], [3, 4, 5, 6])
+
+
+def test_offload_without_room_drops_the_blocks_and_sends_nothing(system):
+    _, client, device = system
+    cache = HostCache(2)
+    device.write([0, 1, 2], [1, 2, 3])
+    cache.offload(client, [1, 2], [0, 1]).result()
+    cache.poll()
+    cache.prepare_load([1, 2])
+    fut = cache.offload(client, [3], [2])
+    assert fut.done() and fut.result().dropped == [3] and fut.result().tasks == []
+    assert 3 not in cache
+
+
+def test_failed_evict_releases_the_host_blocks(system):
+    _, client, device = system
+    cache = HostCache(HOST)
+    client.pause().result(10)
+    try:
+        fut = cache.offload(client, [7, 8], [0, 1])
+        with pytest.raises(TransferFailed) as ei:
+            fut.result()
+        assert {f.code for f in ei.value.failures} == {ErrorCode.PAUSED}
+    finally:
+        client.resume().result(10)
+    cache.poll()
+    assert 7 not in cache and 8 not in cache
+    s = cache.stats()
+    assert s["used"] == 0 and s["store_failures"] == 2 and s["stores"] == 0
+
+
+def test_bad_wired_calls_are_refused_with_nothing_changed(system):
+    _, client, device = system
+    cache = HostCache(HOST)
+    with pytest.raises(ValueError, match="2 hashes but 1 device blocks"):
+        cache.offload(client, [1, 2], [0])
+    with pytest.raises(KvswapError) as ei:
+        cache.offload(client, [1, 2], [0, 32])  # the device caches have 32 blocks
+    assert ei.value.code == ErrorCode.ID_OUT_OF_RANGE
+    assert cache.stats()["used"] == 0
+    fut = cache.offload(client, [1, 2], [0, 1])
+    with pytest.raises(ValueError, match="store still pending|not in host memory"):
+        cache.fetch(client, [1, 2], [5, 6])  # not ready yet (or already released)
+    fut.result()
+    with pytest.raises(ValueError, match=r"hash #1 \(3\) is not in host memory"):
+        cache.fetch(client, [1, 3], [5, 6])
+    with pytest.raises(ValueError, match="was not prepared"):
+        cache.fetch(client, [1], [5], prepared=True)
+    assert cache.stats()["protected"] == 0
+
+
+def test_fetch_of_prepared_blocks_loads_them_and_ends_their_protection(system):
+    _, client, device = system
+    cache = HostCache(HOST)
+    device.write([0, 1], [40, 41])
+    cache.offload(client, [40, 41], [0, 1]).result()
+    assert cache.lookup([40, 41]) == 2
+    cache.prepare_load([40, 41])  # protected first, e.g. while device blocks are freed
+    cache.touch([40, 41])
+    device.wipe([8, 9])
+    cache.fetch(client, [40, 41], [8, 9], prepared=True).result()
+    assert device.holds([8, 9], [40, 41])
+    cache.poll()
+    assert cache.stats()["protected"] == 0
+
+
+# ------------------------------------------------------------------ the storage tier
+
+
+@STORAGE
+def test_write_through_then_prefetch_falls_through_to_the_file_store(system, tmp_path):
+    launcher, client, device = system
+    hashes = [500, 501, 502, 503]
+    device.write([0, 1, 2, 3], hashes)
+    first = HostCache(HOST)
+    res = first.offload(client, hashes, [0, 1, 2, 3], backup=True).result()
+    assert len(res.tasks) == 2 and res.tasks[1].count == 4  # evict, then backup
+    store = open_backend(f"file://{tmp_path}/store")
+    fp = model_fingerprint(layout_hash(TENSORS), "default|tp=2")
+    try:
+        assert all(store.contains([entry_name(storage_key(h), r, fp) for h in hashes]) ==
+                   [True] * 4 for r in (0, 1))
+    finally:
+        store.close()
+    # Another engine (a fresh index over the same host blocks) finds them in storage.
+    device.wipe([30])
+    client.evict([30] * 4, res.host_blocks).result()  # zero the host blocks first
+    second = HostCache(HOST)
+    got = second.prefetch(client, hashes + [999]).result()
+    assert got.hashes == hashes and got.dropped == [999]
+    assert second.lookup(hashes + [999]) == 4 and 999 not in second
+    device.wipe([10, 11, 12, 13])
+    second.fetch(client, hashes, [10, 11, 12, 13]).result()
+    assert device.holds([10, 11, 12, 13], hashes)
+    assert second.prefetch(client, hashes).result().tasks == []  # all in host: nothing sent
+
+
+@STORAGE
+def test_prefetch_keeps_only_the_agreed_prefix(system):
+    _, client, device = system
+    device.write([0, 1], [600, 602])
+    writer = HostCache(HOST)
+    writer.offload(client, [600, 602], [0, 1], backup=True).result()
+    reader = HostCache(HOST)
+    got = reader.prefetch(client, [600, 601, 602]).result()  # 601 was never stored
+    assert got.hashes == [600] and got.dropped == [601, 602]
+    assert reader.lookup([600, 601, 602]) == 1 and 602 not in reader
+    assert reader.stats()["used"] == 1 and reader.stats()["store_failures"] == 2
+
+
+def test_backup_without_a_storage_tier_fails_the_future_but_keeps_the_blocks(system):
+    _, client, device = system
+    cache = HostCache(HOST)
+    device.write([0], [70])
+    with pytest.raises(TransferFailed) as ei:
+        cache.offload(client, [70], [0], backup=True).result()
+    assert ei.value.failures[0].code == ErrorCode.STORAGE_ERROR
+    assert cache.lookup([70]) == 1  # the evict succeeded: in host memory all the same
+
+
+def test_a_backup_that_cannot_be_sent_fails_the_future_not_the_index(system, monkeypatch):
+    _, client, device = system
+    cache = HostCache(HOST)
+    device.write([0], [71])
+
+    def refuse(*args, **kw):
+        raise RuntimeError("store unreachable")
+
+    monkeypatch.setattr(client, "backup", refuse)
+    with pytest.raises(KvswapError, match="write-through backup not sent") as ei:
+        cache.offload(client, [71], [0], backup=True).result()
+    assert ei.value.code == ErrorCode.STORAGE_ERROR
+    assert cache.lookup([71]) == 1  # the evict's completion was queued all the same
+
+
+# ------------------------------------------------------------------ the trace replay
+
+
+@pytest.mark.parametrize("policy,storage", [("lru", None), ("arc", "auto")])
+def test_replay_through_daemons_equals_the_bookkeeping_and_verifies(namespaces, policy,
+                                                                    storage):
+    requests = synthetic_trace(SyntheticConfig(requests=120, seed=3))
+    setup = ReplaySetup(device_blocks=48, host_blocks=64, policy=policy, tp=2, storage=storage)
+    names = namespaces.new()
+    real = replay_daemons(requests, setup, run_root=namespaces.run_root,
+                          namespace=names.namespace)
+    ref = replay_bookkeeping(requests, setup)
+    assert real.host_hits > 0 and real.host_hits == ref.host_hits
+    assert (real.device_hits, real.storage_hits, real.misses) == (
+        ref.device_hits, ref.storage_hits, ref.misses)
+    if storage:
+        assert real.storage_hits > 0
+    assert real.verified == 2 * (real.host_hits + real.storage_hits)  # every block, both ranks
+    assert real.mismatched == 0, real.mismatches
+
+
+# ------------------------------------------------------------------ published statistics
+
+
+def test_published_statistics_reach_status_and_metrics(system):
+    from prometheus_client import generate_latest
+
+    from kvswap.daemon.metrics import registry_for
+
+    launcher, client, device = system
+    ns, root = launcher.names.namespace, str(launcher.names.run_root)
+    assert read_status(ns, root)["host_cache"] is None
+    cache = HostCache(HOST, "arc")
+    cache.publish(ns, root, interval_s=0)
+    try:
+        device.write([0, 1], [1, 2])
+        cache.offload(client, [1, 2], [0, 1]).result()
+        cache.lookup([1, 2, 3, 4])
+        st = read_status(ns, root)["host_cache"]
+        assert st["policy"] == "arc" and st["owner_pid"] == os.getpid() and st["owner_alive"]
+        assert (st["capacity"], st["used"], st["hits"], st["lookup_blocks"], st["stores"]) == (
+            HOST, 2, 2, 4, 2)
+        assert st["hit_ratio"] == 0.5
+        assert "host tier (arc, pid" in format_table(read_status(ns, root))
+        assert "hit ratio 50.0% (2 of 4 blocks looked up)" in format_table(read_status(ns, root))
+        text = generate_latest(registry_for(ns, root)).decode()
+        assert f'kvswap_host_cache_hit_ratio{{namespace="{ns}",policy="arc"}} 0.5' in text
+        assert f'kvswap_host_cache_hits_total{{namespace="{ns}",policy="arc"}} 2.0' in text
+        with pytest.raises(NamespaceError, match="already published by pid"):
+            HostCache(4).publish(ns, root)
+    finally:
+        cache.close()
+    assert read_status(ns, root)["host_cache"] is None
+    assert launcher.names.host_cache[1:] not in launcher.names.owned_shm()
+
+
+def test_publishing_is_throttled_to_the_interval(system):
+    launcher, _, _ = system
+    cache = HostCache(4)
+    cache.publish(launcher.names.namespace, str(launcher.names.run_root), interval_s=3600)
+    try:
+        cache.lookup([1])
+        assert read_host_cache(launcher.names)["lookups"] == 0  # written at publish only
+        cache.poll()
+        assert read_host_cache(launcher.names)["lookups"] == 0
+    finally:
+        cache.close()
+
+
+def test_a_dead_publishers_segment_is_taken_over_and_swept_with_the_namespace(namespaces):
+    launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=HOST)
+    ns, root = launcher.names.namespace, str(launcher.names.run_root)
+    code = ("import sys, time; from kvswap.client import HostCache; c = HostCache(4); "
+            f"c.publish({ns!r}, {root!r}); print('up', flush=True); time.sleep(60)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        with pytest.raises(NamespaceError, match=f"pid {child.pid}"):
+            HostCache(4).publish(ns, root)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        child.stdout.close()
+    st = read_host_cache(launcher.names)
+    assert st is not None and st["owner_pid"] == child.pid and not st["owner_alive"]
+    mine = HostCache(8)
+    mine.publish(ns, root)  # the owner is gone: taken over
+    assert read_host_cache(launcher.names)["owner_pid"] == os.getpid()
+    launcher.stop()  # a publisher that never closes: the namespace's sweep removes it
+    assert launcher.names.owned_shm() == []
+    mine.close()  # nothing left to remove; no error
+
+
+def test_publishing_needs_the_namespace(namespaces):
+    names = namespaces.new()
+    with pytest.raises(NamespaceError, match="does not exist"):
+        HostCache(4).publish(names.namespace, str(names.run_root))
+    assert names.owned_shm() == []
+
+
+def test_signals_doc_draws_the_host_cache_segment_as_the_code_has_it():
+    text = (DOCS / "signals.md").read_text()
+    section = text[text.index("### Host-tier statistics"):]
+    section = section[:section.index("\n## ")] if "\n## " in section else section
+    rows = re.findall(r"^\|\s*(\d+)\s*\|\s*`?(\w+)`?\s*\|", section, re.M)
+    assert [(int(s), n) for s, n in rows] == [(f.slot, f.name) for f in FIELDS]
+    assert f"{SLOTS} x u64" in section and f"{SLOTS * 8} bytes" in section
+    assert "/kvswap.<ns>.hostcache" in text.split("## 9.")[1]  # in the table of objects
+
+
+def test_readers_never_see_a_half_written_update(namespaces):
+    """A publisher in another process updates as fast as it can while this one reads:
+    every snapshot is one update (each lookup passes one hash, so the two counters
+    are always equal in a consistent copy)."""
+    launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=HOST)
+    ns, root = launcher.names.namespace, str(launcher.names.run_root)
+    code = ("from kvswap.client import HostCache; c = HostCache(64); "
+            f"c.publish({ns!r}, {root!r}, interval_s=0); print('up', flush=True)\n"
+            "for k in range(60000): c.lookup([k])\n"
+            "c.close()")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    reads = 0
+    try:
+        assert child.stdout.readline().strip() == "up"
+        deadline = time.monotonic() + 60
+        while child.poll() is None and time.monotonic() < deadline:
+            st = read_host_cache(launcher.names)
+            if st is None:
+                continue  # closed at the end
+            assert st["lookups"] == st["lookup_blocks"], st
+            reads += 1
+    finally:
+        child.kill()
+        child.wait(10)
+        child.stdout.close()
+    assert child.returncode == 0 and reads > 100

@@ -35,6 +35,10 @@ from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, ProtocolEr
 
 PROTOCOL_VERSION: tuple[int, int] = (1, 4)
 
+# Request and task ids are non-negative int64: they key shm tables (layer progress,
+# agreement, the completion journal) that hold them as 64-bit integers.
+ID_LIMIT = 1 << 63
+
 # Bounds on what one message may make a daemon hold (docs/protocol.md section 2).
 MAX_HEADER_BYTES = 1 << 20  # the msgpack header frame
 MAX_BATCH_TASKS = 4096  # tasks in one ``batch`` message; clients split larger batches
@@ -232,6 +236,9 @@ def decode_request(frames: Sequence[Any], max_header_bytes: int = MAX_HEADER_BYT
     req_id = header.get("id")
     if not _is_type(req_id, int):
         raise RequestError(ErrorCode.BAD_FIELD, "header field 'id' missing or not an int")
+    if not 0 <= req_id < ID_LIMIT:
+        raise RequestError(ErrorCode.BAD_FIELD,
+                           f"header field 'id' must be in [0, 2**63), got {req_id}")
     version = header.get("v")
     if (not isinstance(version, list) or len(version) != 2
             or not all(_is_type(x, int) for x in version)):
@@ -254,7 +261,7 @@ def decode_request(frames: Sequence[Any], max_header_bytes: int = MAX_HEADER_BYT
     for name, t in COMMON_OPTIONAL.items():
         value = header.get(name)
         if value is not None and (not _is_type(value, t)
-                                  or (t is int and not 0 <= value < 1 << 63)):
+                                  or (t is int and not 0 <= value < ID_LIMIT)):
             raise RequestError(ErrorCode.BAD_FIELD,
                                f"header field {name!r} must be {_type_name(t)}"
                                f"{' in [0, 2**63)' if t is int else ''}, got {value!r}", req_id)
@@ -537,6 +544,9 @@ def decode_batch(req: Request) -> list[BatchTask]:
                 raise RequestError(ErrorCode.BAD_FIELD,
                                    f"batch task {i}: field {name!r} missing or not "
                                    f"{t.__name__}", req.id)
+        if not 0 <= item["id"] < ID_LIMIT:
+            raise RequestError(ErrorCode.BAD_FIELD,
+                               f"batch task {i}: field 'id' must be in [0, 2**63)", req.id)
         if item["op"] not in _BATCH_OP_NAMES:
             raise RequestError(ErrorCode.BAD_FIELD,
                                f"batch task {i}: op must be {' or '.join(_BATCH_OP_NAMES)}",

@@ -405,3 +405,20 @@ def test_small_and_large_checks_agree(n):
     ids[n // 2] = ids[1] if n > 2 else ids[0]
     expected = int(min(ids[0], ids[1])) if n > 2 else int(ids[0])
     assert first_duplicate(ids) == expected
+
+
+@pytest.mark.parametrize("bad", [-1, -2**63, 2**63, 2**64 - 1])
+def test_ids_outside_int64_are_refused_before_they_reach_a_shm_table(bad):
+    """Ids key the layer-progress, agreement and journal tables (64-bit slots): a
+    negative or too large one used to raise deep inside a handler (fuzz finding)."""
+    from kvswap.client.protocol import RequestError, decode_batch, decode_request, packb
+
+    with pytest.raises(RequestError) as exc:
+        decode_request([packb({"v": list(PROTOCOL_VERSION), "id": bad, "op": "ping"})])
+    assert exc.value.code == ErrorCode.BAD_FIELD and "2**63" in exc.value.message
+    header = {"v": list(PROTOCOL_VERSION), "id": 1, "op": "batch", "ids": "<i4",
+              "tasks": [{"id": bad, "op": "evict", "n": 0}]}
+    req = decode_request([packb(header), b"", b""])
+    with pytest.raises(RequestError) as exc:
+        decode_batch(req)
+    assert exc.value.code == ErrorCode.BAD_FIELD and "batch task 0" in exc.value.message

@@ -247,9 +247,9 @@ class Daemon:
                                                 daemon=True)
         self._control_thread.start()
         self.sm.to(RankState.ATTACHING)
-        log.info("serving %s (backend %s, tp %d, host blocks %d, epoch %d, pid %d)",
+        log.info("serving %s (backend %s, tp %d, host pool %s, epoch %d, pid %d)",
                  self.names.endpoint(self.rank), self.cfg.backend, self.cfg.tp_size,
-                 self.cfg.host_blocks, self.sig[R.EPOCH], os.getpid())
+                 self.cfg.pool_text(), self.sig[R.EPOCH], os.getpid())
         self._attach_on_start()
         status = 0
         try:
@@ -812,7 +812,8 @@ class Daemon:
             self._swap.close(unlink=False)
             self._swap = None
         try:
-            swap = HostSwapSpace.open(self.names, self.rank, tensors, self.cfg.host_blocks)
+            swap = HostSwapSpace.open(self.names, self.rank, tensors, self.cfg.pool_blocks,
+                                      host_bytes=self.cfg.host_size)
             self.sig[R.SWAP_BYTES_TOTAL] = swap.nbytes  # before attach: pinning reports progress
             try:
                 self.backend.attach(tensors, swap)

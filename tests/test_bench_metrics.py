@@ -173,12 +173,11 @@ def test_metrics_equal_the_work_done(namespaces):
         lab = (("namespace", ns), ("rank", str(r)))
         assert sample[("kvswap_rank_completed_total", lab)] == 4
         assert sample[("kvswap_rank_failed_total", lab)] == 0
-        assert sample[("kvswap_rank_bytes_evicted_total", lab)] == 3 * 2 * block
-        assert sample[("kvswap_rank_bytes_loaded_total", lab)] == block
+        assert sample[("kvswap_rank_evicted_bytes_total", lab)] == 3 * 2 * block
+        assert sample[("kvswap_rank_loaded_bytes_total", lab)] == block
         assert sample[("kvswap_rank_inflight", lab)] == 0
         assert sample[("kvswap_rank_epoch", lab)] == status["ranks"][r]["epoch"]
         assert sample[("kvswap_rank_swap_pool_bytes", lab)] == 4 * 32 * (block // 4)
-        assert sample[("kvswap_rank_state_code", lab)] == 3
         assert sample[("kvswap_rank_state", (*lab, ("state", "READY")))] == 1
         assert sample[("kvswap_rank_state", (*lab, ("state", "FAILED")))] == 0
         assert 0 <= sample[("kvswap_rank_heartbeat_age_seconds", lab)] < 5
@@ -224,7 +223,7 @@ def test_metrics_and_status_watch_commands(namespaces):
         port = int(line.rsplit(":", 1)[1].split("/")[0])
         assert line.startswith(f"kvswap: serving metrics of namespace {ns} on http://127.0.0.1:")
         with TransferClient(ns, 1, run_root=root) as client:
-            for i in range(20):  # 2 MiB every 30 ms: a rate --watch shows as >= 0.01 GB/s
+            for i in range(20):  # 2 MiB every 30 ms: a rate --watch shows as >= 0.01 GiB/s
                 client.evict(list(range(8)), list(range(8 * (i % 8), 8 * (i % 8) + 8))).result(10)
                 time.sleep(0.03)
         sample = _scrape(port)
@@ -235,9 +234,11 @@ def test_metrics_and_status_watch_commands(namespaces):
         out, _ = watch.communicate(timeout=10)
         exporter.communicate(timeout=10)
     assert exporter.returncode == 0 and watch.returncode == 0
-    frames = [f for f in out.split("\x1b[2J\x1b[H") if f]
+    # stdout is a pipe: frames are appended, a blank line apart, never redrawn
+    assert "\x1b" not in out
+    frames = [f for f in out.split("\n\n") if f.strip()]
     assert len(frames) >= 2
-    assert all("evict GB/s" in f and "load GB/s" in f for f in frames)
+    assert all("evict GiB/s" in f and "load GiB/s" in f for f in frames)
     # the first frame has no rate yet; later ones, taken while evicting, have numbers
     assert frames[0].splitlines()[2].split()[-3:-1] == ["-", "-"]
     assert any(f.splitlines()[2].split()[-3] not in ("-", "0.00") for f in frames[1:])
@@ -257,9 +258,9 @@ def _status(created: int, ranks: list[tuple[int, int, int]]) -> dict:
 
 
 def test_transfer_rates():
-    prev = _status(7, [(0, 1_000, 0), (1, 5_000_000_000, 0)])
-    cur = _status(7, [(0, 4_000_000_000 + 1_000, 1_000_000_000), (1, 4_000_000_000, 0),
-                      (2, 0, 0)])
+    # GiB/s, the unit of the table's GiB counters
+    prev = _status(7, [(0, 1_000, 0), (1, 5 << 30, 0)])
+    cur = _status(7, [(0, (4 << 30) + 1_000, 1 << 30), (1, 4 << 30, 0), (2, 0, 0)])
     assert transfer_rates(prev, cur, 2.0) == {
         0: (pytest.approx(2.0), pytest.approx(0.5)),
         1: (None, 0.0),  # bytes_evicted went back
@@ -272,9 +273,9 @@ def test_transfer_rates():
 def test_status_table_has_rate_columns_only_when_watching():
     st = _status(7, [(0, 2 << 30, 0)])
     plain = format_table(st).splitlines()
-    assert "GB/s" not in plain[1]
+    assert "GiB/s" not in plain[1]
     first = format_table(st, {}).splitlines()  # first --watch frame: nothing to diff yet
-    assert first[1].endswith("evict GB/s  load GB/s  last error")
+    assert first[1].endswith("evict GiB/s  load GiB/s  last error")
     assert first[2].split()[-3:] == ["-", "-", "-"]
     later = format_table(st, {0: (1.234, 0.001)}).splitlines()
     assert later[2].split()[-3:] == ["1.23", "<0.01", "-"]

@@ -81,10 +81,13 @@ def test_every_option_has_help_and_shows_its_default(which, capsys):
             where = f"{which} {' '.join(path)} {flag}"
             assert flag in entries, f"{where} is missing from --help"
             text = entries[flag]
-            m = re.fullmatch(r"(.*\S)\s+\((default: (.+)|required)\)", text)
+            m = re.fullmatch(r"(.*\S)\s+\((default: (.+)|required(, here or in --config)?)\)",
+                             text)
             assert m, f"{where}: help {text!r} does not end with its default or (required)"
             assert m.group(1).strip(), f"{where} has no help text"
-            assert action.required == (m.group(2) == "required"), where
+            # An option a --config file may give is required after the file is read.
+            assert (action.required or m.group(4) is not None) == \
+                m.group(2).startswith("required"), where
             if isinstance(action.default, (int, float, str)) and action.nargs != 0 \
                     and not isinstance(action.default, bool):
                 assert str(action.default) in m.group(3), f"{where}: default not shown: {text!r}"
@@ -137,9 +140,15 @@ def _parse_kvswapd(argv: list[str]) -> DaemonConfig:
     return from_args(DaemonConfig, kvswapd.build_parser().parse_args(argv))
 
 
+# Options that exclude one of NON_DEFAULT's (--host-size sizes the pool instead of
+# --host-blocks), with the value their own round trip uses.
+ALTERNATIVES = {"host_size": 64 << 30}
+
+
 def test_launcher_daemon_command_round_trips_to_an_equal_daemon_config():
     shared = {f.name for f in dataclasses.fields(DaemonOptions)} - {"namespace"}
-    assert set(NON_DEFAULT) == shared, "give every kvswapd option a non-default test value"
+    assert set(NON_DEFAULT) | set(ALTERNATIVES) == shared, \
+        "give every kvswapd option a non-default test value"
     for name, value in NON_DEFAULT.items():
         assert value != next(f for f in dataclasses.fields(DaemonOptions)
                              if f.name == name).default, name
@@ -152,6 +161,16 @@ def test_launcher_daemon_command_round_trips_to_an_equal_daemon_config():
         assert parsed == DaemonConfig(namespace="rt", rank=rank, tp_size=2, device=[3, 5][rank],
                                       listen_tcp=f"tcp://127.0.0.1:{7100 + rank}", **NON_DEFAULT)
         assert parsed == launcher.daemon_config(rank)
+
+
+def test_host_size_round_trips_instead_of_host_blocks():
+    options = {**{k: v for k, v in NON_DEFAULT.items() if k != "host_blocks"}, **ALTERNATIVES}
+    launcher = Launcher(LaunchConfig(namespace="rt", tp=1, **options))
+    cmd = launcher.daemon_command(0)
+    assert f"--host-size={64 << 30}" in cmd and not any("--host-blocks" in a for a in cmd)
+    parsed = _parse_kvswapd(cmd[3:])
+    assert parsed == launcher.daemon_config(0)
+    assert (parsed.host_size, parsed.host_blocks, parsed.pool_blocks) == (64 << 30, None, None)
 
 
 def test_default_daemon_command_is_short_and_round_trips(run_root):

@@ -320,15 +320,20 @@ class Launcher:
         assert self.seg is not None
         timeout = self.cfg.ready_timeout_s if timeout is None else timeout
 
+        def pass_logs() -> None:
+            if on_log is None:
+                return
+            for r, rank_log in enumerate(self.logs):
+                for line in rank_log.new_lines():
+                    m = LINE.match(line)
+                    if m is not None and m.group(3) in ("WARNING", *_ERROR_LEVELS):
+                        on_log(r, f"{m.group(3)} {m.group(5)}")
+
         def check() -> bool | None:
+            pass_logs()
             if stop is not None and stop():
+                pass_logs()  # what was logged before the stop, to the last line
                 raise KvswapError("interrupted while waiting for READY", ErrorCode.SHUTTING_DOWN)
-            if on_log is not None:
-                for r, rank_log in enumerate(self.logs):
-                    for line in rank_log.new_lines():
-                        m = LINE.match(line)
-                        if m is not None and m.group(3) in ("WARNING", *_ERROR_LEVELS):
-                            on_log(r, f"{m.group(3)} {m.group(5)}")
             for r, rc in self.dead_ranks():
                 raise self._failure(r, f"exited with status {rc}")
             for r in range(self.cfg.tp):

@@ -342,7 +342,7 @@ def _file_value(f: dataclasses.Field, opt: Option, value: Any) -> Any:
         return opt.const  # the flag given without a value
     if isinstance(value, str) and opt.parse is not str:
         try:
-            return value_type(opt.parse, opt.check)(value)
+            value = value_type(opt.parse)(value)  # the flag's text, parsed as on the command line
         except argparse.ArgumentTypeError as exc:
             raise ValueError(str(exc)) from None
     try:

@@ -197,7 +197,36 @@ def test_metrics_without_namespace_serves_up_0():
 
     text = generate_latest(registry_for("no-such-ns", "/tmp")).decode()
     assert 'kvswap_up{namespace="no-such-ns"} 0.0' in text
+    assert "kvswap_build_info{" in text
     assert "kvswap_rank_" not in text
+
+
+def test_metric_names_follow_the_prometheus_guide(namespaces):
+    """The exposition parses with prometheus_client's own parser; counters carry their
+    unit before _total; no series says what another says; build info is there."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    import kvswap.client
+    from kvswap.client.protocol import PROTOCOL_VERSION
+    from kvswap.daemon.metrics import registry_for
+
+    launcher = namespaces.launch(tp=1, demo_caches=SMALL_LAYOUT, host_blocks=8)
+    text = generate_latest(registry_for(launcher.names.namespace, namespaces.run_root)).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = {s.name for f in families.values() for s in f.samples}
+    assert {"kvswap_rank_evicted_bytes_total", "kvswap_rank_loaded_bytes_total"} <= samples
+    assert not {"kvswap_rank_bytes_evicted_total", "kvswap_rank_bytes_loaded_total",
+                "kvswap_rank_state_code"} & samples
+    for family in families.values():
+        if family.type == "counter":
+            assert all(s.name.endswith("_total") for s in family.samples
+                       if not s.name.endswith("_created")), family.name
+    (build,) = families["kvswap_build_info"].samples
+    assert build.value == 1
+    assert build.labels == {"version": kvswap.client.__version__,
+                            "protocol_version": "%d.%d" % PROTOCOL_VERSION}
 
 
 def _first_line(proc: subprocess.Popen, timeout: float = 15.0) -> str:
@@ -242,6 +271,34 @@ def test_metrics_and_status_watch_commands(namespaces):
     # the first frame has no rate yet; later ones, taken while evicting, have numbers
     assert frames[0].splitlines()[2].split()[-3:-1] == ["-", "-"]
     assert any(f.splitlines()[2].split()[-3] not in ("-", "0.00") for f in frames[1:])
+
+
+def test_status_watch_json_into_head_is_three_json_lines_and_exit_0(namespaces):
+    launcher = namespaces.launch(tp=2, demo_caches=SMALL_LAYOUT, host_blocks=8)
+    ns, root = launcher.names.namespace, namespaces.run_root
+    status = subprocess.Popen(_cli("status", "--namespace", ns, "--run-root", root, "--watch",
+                                   "--json", "--interval", "0.05"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    head = subprocess.Popen(["head", "-n", "3"], stdin=status.stdout, stdout=subprocess.PIPE)
+    assert status.stdout is not None
+    status.stdout.close()  # head holds the pipe's read end alone: its exit closes the pipe
+    try:
+        out, _ = head.communicate(timeout=30)
+        rc = status.wait(timeout=30)
+    finally:
+        for p in (status, head):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert status.stderr is not None
+    err = status.stderr.read().decode()
+    status.stderr.close()
+    assert rc == 0 and err == "", err
+    lines = out.decode().splitlines()
+    assert len(lines) == 3
+    for line in lines:
+        obj = json.loads(line)  # an escape sequence or a pretty-printed object would fail
+        assert obj["namespace"] == ns and [r["state"] for r in obj["ranks"]] == ["READY"] * 2
 
 
 # ---------------------------------------------------------------------- status --watch rates

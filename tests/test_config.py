@@ -221,6 +221,15 @@ BAD = [
     ("launch", ["--tcp", "127.0.0.1:7100"], ["--tcp needs --secret-file"]),
     ("launch", ["--devices", "0"], ["--devices names 1 devices for --tp 2"]),
     ("launch", ["--daemon-args", "--workers 4"], ["unrecognized arguments: --daemon-args"]),
+    ("launch", ["--host-size", "64GiB", "--host-blocks", "8"],
+     ["--host-blocks and --host-size both size the host pool: give one"]),
+    ("launch", ["--host-size", "1.5G"], ["--host-size", "like 4096, 512MiB or 64GiB"]),
+    ("launch", ["--storage", "ftp://x/y"], ["--storage", "unknown scheme 'ftp'", "file://"]),
+    ("launch", ["--run-root", "/tmp/" + "r" * 120], ["too long for an ipc:// socket path"]),
+    ("launch", ["--config", "/nonexistent/kvswap.toml"], ["--config", "cannot read it"]),
+    ("status", ["--namespace", "a b"], ["--namespace", "[A-Za-z0-9_-]"]),
+    ("status", ["--run-root", "/tmp/" + "r" * 120], ["--run-root"]),
+    ("metrics", ["--namespace", "a b"], ["--namespace", "[A-Za-z0-9_-]"]),
     ("status", ["--interval", "0"], ["--interval", "must be > 0"]),
     ("metrics", ["--port", "70000"], ["--port", "must be in [0, 65535]"]),
     ("demo", ["--threads", "0"], ["--threads", "must be >= 1"]),
@@ -291,3 +300,63 @@ def test_version_of_both_commands_is_the_installed_distribution(capsys):
             main(["--version"])
         assert ei.value.code == 0
         assert capsys.readouterr().out.strip() == f"{prog} {installed}"
+
+
+# ------------------------------------------------------------------ --config FILE
+
+def _toml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "kvswap.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_config_file_keys_are_the_flags_and_flags_override_it(tmp_path):
+    path = _toml(tmp_path, """
+namespace = "fromfile"
+tp = 2
+host-size = "64GiB"
+no-merge = true
+demo-caches = true
+devices = [3, 5]
+log-level = "debug"
+stale-after = 7
+max-restarts = 0
+ready-timeout = "30"
+""")
+    cfg = _launch_config(["--config", path, "--tp", "2", "--workers", "3",
+                          "--ready-timeout", "45"])
+    assert cfg == LaunchConfig(
+        namespace="fromfile", tp=2, host_size=64 << 30, merge=False, demo_caches="",
+        devices=[3, 5], log_level="DEBUG", stale_after_s=7.0, workers=3, ready_timeout_s=45.0,
+        supervision=SupervisorConfig(max_retries=0))
+    # a flag given on the command line wins over the file
+    assert _launch_config(["--config", path, "--namespace", "flag"]).namespace == "flag"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("namespace = 'n'\ntp = 2\nhost-sise = '1G'\n",
+     ["unknown key 'host-sise'", "did you mean 'host-size'?"]),
+    ("namespace = 'n'\ntp = 2\nworkers = 0\n", ["workers = 0: must be >= 1, got 0"]),
+    ("namespace = 'n'\ntp = 2.5\n", ["tp = 2.5: must be an integer, got 2.5"]),
+    ("namespace = 'n'\ntp = 2\nno-merge = 'yes'\n", ["no-merge = 'yes': want true or false"]),
+    ("namespace = 'n'\ntp = 2\nstorage = 'ftp://x'\n", ["unknown scheme 'ftp'"]),
+    ("namespace = 'n'\ntp = 2\nlog-level = 'loud'\n", ["log-level = 'loud'", "one of DEBUG"]),
+    ("namespace = 'n'\ntp = [\n", ["not valid TOML"]),
+    ("tp = 2\n", ["the following arguments are required: --namespace"]),
+])
+def test_bad_config_file_exits_2_naming_the_key(tmp_path, capsys, text, expected):
+    path = _toml(tmp_path, text)
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["launch", "--config", path])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--config {path}" in err or "required" in err
+    for part in expected:
+        assert part in err, err
+
+
+def test_options_missing_from_flags_and_file_are_still_required(capsys):
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["launch", "--namespace", "n"])
+    assert ei.value.code == 2
+    assert "the following arguments are required: --tp" in capsys.readouterr().err

@@ -60,8 +60,8 @@ def rank_activity(ranks: list[dict], r: int) -> str:
     total, ready = row["swap_bytes_total"], row["swap_bytes_pinned"]
     if not row["cache_ready"]:
         if ready < total:
-            return (f"preparing host pool {_gib(ready)}/{_gib(total)} GiB "
-                    f"({100 * ready // total}%)")
+            return (f"preparing host pool {_gib(ready)}/{_gib(total)} GiB, "
+                    f"{100 * ready // total}%")
         if total and not row["swap_ready"]:
             return "attaching its caches"
         return ("waiting for its caches to be registered" if state == "ATTACHING"

@@ -15,6 +15,7 @@ from kvswap.daemon import main as kvswapd
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 COMMAND = re.compile(r"^(?:\$ )?(kvswapd|kvswap|scripts/launch)(?:\s|$)")
+OUTPUT = re.compile(r"^kvswapd?( \w+)?: ")  # what a command prints: "kvswap launch: [200 ..."
 FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
 
 
@@ -31,7 +32,7 @@ def documented_commands(text: str) -> list[str]:
                 continue
             pending = ""
             line = line.split(" #")[0].strip()
-            if COMMAND.match(line):
+            if COMMAND.match(line) and not OUTPUT.match(line):
                 found.append(line)
     for span in re.findall(r"`([^`\n]+)`", FENCE.sub("", text)):
         if COMMAND.match(span):

@@ -9,14 +9,15 @@ from __future__ import annotations
 import json
 
 from kvswap.client.naming import Names
-from kvswap.client.signals import SignalSegment
+from kvswap.client.signals import SignalSegment, pid_alive
 
 _GIB = float(1 << 30)
 
 
 def read_status(namespace: str, run_root: str | None = None) -> dict:
     """The namespace's :meth:`SignalSegment.snapshot`, each rank with its ``activity``
-    (:func:`rank_activity`)."""
+    (:func:`rank_activity`), and ``launcher_alive``: False for the leftovers of a
+    launcher that is gone (killed, or its machine's processes crashed)."""
     seg = SignalSegment.attach(Names.of(namespace, run_root), readonly=True)
     try:
         status = seg.snapshot()
@@ -24,6 +25,7 @@ def read_status(namespace: str, run_root: str | None = None) -> dict:
         seg.close()
     for row in status["ranks"]:
         row["activity"] = rank_activity(status["ranks"], row["rank"])
+    status["launcher_alive"] = pid_alive(status["launcher_pid"])
     return status
 
 
@@ -137,6 +139,11 @@ def format_table(status: dict,
         f"kv caches {status['kvcache_status']}",
         line,
     ]
+    if status.get("launcher_alive") is False:
+        ns = status["namespace"]
+        out.insert(1, f"the launcher is gone: this is what it left; 'kvswap launch --namespace "
+                      f"{ns}' removes it and starts afresh (its daemons exit by themselves "
+                      f"once orphaned)")
     out += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
     out += [f"rank {r['rank']}: {r['activity']}" for r in status["ranks"] if r.get("activity")]
     return "\n".join(out)

@@ -20,13 +20,13 @@ from conftest import SMALL_LAYOUT, wait_for_state
 from kvswap.client import CacheTensor, CacheWorker, InvalidTask, KvswapError
 from kvswap.client.errors import ErrorCode
 from kvswap.client.layout import TensorDesc
-from kvswap.client.monitor import read_status
+from kvswap.client.monitor import format_table, read_status
 from kvswap.client.shm_region import SegmentExists, ShmRegion, segment_users
 from kvswap.client.signals import H, RankState, poll_until
 from kvswap.daemon import swap_space
 from kvswap.daemon.cli import LaunchProgress
 from kvswap.daemon.config import LaunchConfig
-from kvswap.daemon.launcher import error_lines, shm_needs
+from kvswap.daemon.launcher import Launcher, error_lines, shm_needs
 from kvswap.daemon.logs import LINE, formatter
 from kvswap.daemon.storage import check_url
 from kvswap.daemon.swap_space import HostMemory, HostSwapSpace, SwapLayout, blocks_that_fit
@@ -409,3 +409,25 @@ def test_leftover_in_use_names_its_user_and_the_command(namespaces):
         held.unlink()
         held.close()
     assert Path(f"/dev/shm{name}").exists() is False
+
+
+def test_status_names_the_leftovers_of_a_launcher_that_is_gone(namespaces):
+    names = namespaces.new()
+    # A "launcher" that creates the namespace's signal segment and dies without removing it.
+    subprocess.run([sys.executable, "-c",
+                    "import sys; from kvswap.client.naming import Names; "
+                    "from kvswap.client.signals import SignalSegment; "
+                    "SignalSegment.create(Names.of(sys.argv[1], sys.argv[2]), 1)",
+                    names.namespace, str(names.run_root)], check=True, timeout=30)
+    status = read_status(names.namespace, str(names.run_root))
+    assert status["launcher_alive"] is False
+    table = format_table(status).splitlines()
+    assert table[1].startswith("the launcher is gone")
+    assert f"'kvswap launch --namespace {names.namespace}' removes it" in table[1]
+    # ... and what the line says holds: launching the namespace removes the leftovers
+    launcher = Launcher(LaunchConfig(namespace=names.namespace, run_root=namespaces.run_root,
+                                     tp=1, demo_caches=SMALL_LAYOUT, host_blocks=8))
+    namespaces.launchers.append(launcher)  # stopped, and checked for leaks, by the fixture
+    launcher.start()
+    launcher.wait_ready(timeout=30)
+    assert read_status(names.namespace, namespaces.run_root)["launcher_alive"] is True

@@ -59,8 +59,9 @@ if TYPE_CHECKING:
 __all__ = [
     "BACKENDS", "BackendEntry", "Buffer", "CorruptEntry", "ENTRY_MAGIC", "ENTRY_VERSION",
     "HEADER_BYTES", "StorageBackend", "Stored", "StorageError", "StorageTimeout",
-    "as_byte_views", "check_names", "check_url", "open_backend", "pack_entry", "registered_schemes",
-    "unpack_entry", "url_options",
+    "as_byte_views", "check_names", "check_url", "open_backend", "pack_entry", "parse_bool",
+    "parse_count", "parse_seconds", "parse_size", "registered_schemes", "unpack_entry",
+    "url_options",
 ]
 
 Buffer = Union[bytes, bytearray, memoryview, "np.ndarray"]

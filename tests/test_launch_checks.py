@@ -431,3 +431,20 @@ def test_status_names_the_leftovers_of_a_launcher_that_is_gone(namespaces):
     launcher.start()
     launcher.wait_ready(timeout=30)
     assert read_status(names.namespace, namespaces.run_root)["launcher_alive"] is True
+
+
+@pytest.mark.parametrize("advice", [swap_space.MADV_POPULATE_WRITE, 12345])  # 12345: EINVAL
+def test_populating_changes_no_byte(namespaces, advice):
+    """MADV_POPULATE_WRITE, or on a kernel that refuses the advice the page-touching
+    fallback: an adopted pool keeps its contents."""
+    names = namespaces.new()
+    region = ShmRegion.create(names.swap_segment(0), 64 << 10)
+    try:
+        data = region.array(0, (64 << 10,), np.uint8)
+        data[:] = np.arange(64 << 10) % 251
+        region.populate(0, 64 << 10, advice)
+        assert np.array_equal(data, np.arange(64 << 10) % 251)
+        del data
+    finally:
+        region.unlink()
+        region.close()

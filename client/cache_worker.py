@@ -63,13 +63,19 @@ class CacheWorker:
         self._progress = LayerProgress(self.seg, rank)
         self._hb_interval = heartbeat_interval_s
         self._hb_stop = threading.Event()
+        self._registered = threading.Event()  # the heartbeat beats once this is set
         self._hb = threading.Thread(target=self._heartbeat, name="kvswap-engine-heartbeat",
                                     daemon=True)
         self._hb.start()
 
     def _heartbeat(self) -> None:
+        """Beat once a register succeeded, never before: the launcher tears the namespace
+        down when a heartbeat it has seen stops, so a worker whose register failed and
+        that then closes must never have beaten (it would take the namespace with it
+        ``--engine-timeout`` later)."""
         while not self._hb_stop.is_set():
-            self.seg.header[H.ENGINE_HEARTBEAT_NS] = now_ns()
+            if self._registered.is_set():
+                self.seg.header[H.ENGINE_HEARTBEAT_NS] = now_ns()
             self._hb_stop.wait(self._hb_interval)
 
     # ------------------------------------------------------------------ host backend
@@ -128,6 +134,8 @@ class CacheWorker:
         fields = {"backend": self.backend, "tensors": [d.to_wire() for d in descs]}
         reply = self._request(Op.REGISTER, fields, timeout)
         self._layers = sorted({d.layer for d in descs})
+        self.seg.header[H.ENGINE_HEARTBEAT_NS] = now_ns()  # the first beat, at once
+        self._registered.set()
         return reply
 
     # ------------------------------------------------------------------ layer-wise loads

@@ -37,7 +37,7 @@ import posix_ipc
 
 from kvswap.client.errors import NamespaceError
 from kvswap.client.naming import Names
-from kvswap.client.shm_region import ShmRegion, unlink_shm
+from kvswap.client.shm_region import SegmentExists, ShmRegion, unlink_shm
 from kvswap.client.signals import SignalSegment, now_ns, pid_alive
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class HostCacheStatsWriter:
         SignalSegment.attach(names, readonly=True).close()  # the namespace must exist
         try:
             region = ShmRegion.create(names.host_cache, SIZE)
-        except posix_ipc.ExistentialError:
+        except SegmentExists:  # a leftover nobody maps was already replaced by create()
             owner = _owner(names)
             if owner is not None:
                 raise NamespaceError(

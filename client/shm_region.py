@@ -3,16 +3,69 @@
 Used for the host backend's simulated device tensors, the host swap space
 and the signal segment's neighbours.  The creator unlinks; attachers only
 close.  Segments are created with mode 0600.
+
+**Leftovers.**  A process that dies without unlinking what it created (a
+crashed CacheWorker, a killed daemon) leaves its segments behind, and creating
+one of the same name again would fail.  :meth:`ShmRegion.create` then looks
+for the segment's users (:func:`segment_users`: every process that maps it or
+holds it open): with none, its owner is provably gone and the leftover is
+removed and created afresh (logged); otherwise it raises
+:class:`SegmentExists` naming the segment, its users and the command that
+removes it.  Only processes of this user are looked at, which are the only
+ones (with root) that a 0600 segment of this user admits.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import mmap
+import os
 
 import numpy as np
 import posix_ipc
 
+from kvswap.client.errors import NamespaceError
+
 SHM_MODE = 0o600
+SHM_DIR = "/dev/shm"
+
+log = logging.getLogger("kvswap.shm")
+
+
+class SegmentExists(NamespaceError):
+    """A segment to be created exists and some process still uses it."""
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            text = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def segment_users(name: str) -> list[int]:
+    """Pids of this user's processes that map the segment ``name`` or hold it open."""
+    path = f"{SHM_DIR}/{name.lstrip('/')}"
+    me = os.getuid()
+    users = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != me:
+                continue
+            with open(f"/proc/{entry.name}/maps") as f:
+                mapped = any(line.split(maxsplit=5)[5:] == [path] for line in map(str.rstrip, f))
+            held = mapped or any(os.readlink(fd.path) == path
+                                 for fd in os.scandir(f"/proc/{entry.name}/fd"))
+        except OSError:  # the process exited while being looked at
+            continue
+        if held:
+            users.append(int(entry.name))
+    return users
 
 
 def _map_flags(populate: bool) -> int:
@@ -36,7 +89,11 @@ class ShmRegion:
         if size <= 0:
             raise ValueError(f"shm region {name} must have a positive size, got {size}")
         flags = posix_ipc.O_CREX if exclusive else posix_ipc.O_CREAT
-        shm = posix_ipc.SharedMemory(name, flags, mode=SHM_MODE, size=size)
+        try:
+            shm = posix_ipc.SharedMemory(name, flags, mode=SHM_MODE, size=size)
+        except posix_ipc.ExistentialError:
+            _remove_leftover(name)
+            shm = posix_ipc.SharedMemory(name, flags, mode=SHM_MODE, size=size)
         try:
             buf = mmap.mmap(shm.fd, size, flags=_map_flags(populate))
         except BaseException:
@@ -69,6 +126,21 @@ class ShmRegion:
             raise ValueError(f"shm region {self.name} is closed")
         return np.ndarray(shape, dtype=np.dtype(dtype), buffer=self._buf, offset=offset)
 
+    def populate(self, offset: int, length: int, advice: int) -> None:
+        """Fault ``[offset, offset + length)`` in, writable, without changing a byte:
+        ``madvise(advice)`` (MADV_POPULATE_WRITE), or on a kernel that refuses it, a
+        write of each page's first byte OR-ed with 0.  ``offset`` is page-aligned."""
+        if self._buf is None:
+            raise ValueError(f"shm region {self.name} is closed")
+        try:
+            self._buf.madvise(advice, offset, length)
+            return
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: advice unknown to this kernel
+                raise
+        firsts = self.array(offset, (length,), np.uint8)[::mmap.PAGESIZE]
+        np.bitwise_or(firsts, 0, out=firsts)
+
     def close(self) -> None:
         """Unmap.  If arrays into the region are still alive, the mapping stays until
         they are garbage collected (unmapping under them would crash the process)."""
@@ -85,6 +157,24 @@ class ShmRegion:
         if not self.creator:
             raise PermissionError(f"only the creator of {self.name} may unlink it")
         unlink_shm(self.name)
+
+
+def _remove_leftover(name: str) -> None:
+    """Unlink the existing segment ``name`` if no process uses it (module docstring);
+    else raise :class:`SegmentExists` naming its users and the command that removes it."""
+    path = f"{SHM_DIR}/{name.lstrip('/')}"
+    users = segment_users(name)
+    if not users:
+        log.warning("removed the leftover shared memory segment %s: no process uses it", name)
+        unlink_shm(name)
+        return
+    who = "; ".join(f"pid {pid} ({_cmdline(pid)})" for pid in users[:4])
+    raise SegmentExists(
+        f"shared memory segment {name} already exists and is used by {who}. If it is a "
+        f"leftover (the process that created it is gone, and these only still map it, "
+        f"like the daemon of a CacheWorker that crashed), remove it with: rm {path} "
+        f"(processes that map it keep their mapping); else choose another name, or stop "
+        f"those processes")
 
 
 def unlink_shm(name: str) -> bool:

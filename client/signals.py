@@ -192,7 +192,7 @@ RANK_FIELDS: tuple[Slot, ...] = (
          "ErrorCode of the last failure"),
     Slot("swap_bytes_total", 15, "daemon control thread", "status", "size of the host swap pool"),
     Slot("swap_bytes_pinned", 16, "daemon control thread", "status",
-         "bytes of the pool registered with the GPU so far (cuda backend; host: = total)"),
+         "bytes of the pool made ready so far: populated (host), populated then pinned (cuda)"),
 )
 
 

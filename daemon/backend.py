@@ -31,8 +31,10 @@ class Backend(Protocol):
     name: str
 
     def attach(self, tensors: Sequence[TensorDesc], swap: HostSwapSpace) -> None:
-        """Map the rank's device tensors and bind them to ``swap``; raise
-        :class:`InvalidTask` (BAD_LAYOUT) and leave nothing mapped on failure."""
+        """Populate ``swap`` (:meth:`HostSwapSpace.populate`; cuda: and pin it), reporting
+        progress, map the rank's device tensors and bind them to ``swap``; raise
+        :class:`KvswapError` (BAD_LAYOUT for the tensors) and leave nothing mapped on
+        failure."""
 
     def copy(self, op: Op, device_ids: np.ndarray, host_ids: np.ndarray,
              tensors: Sequence[int] | None = None) -> int:
@@ -54,14 +56,19 @@ class HostBackend:
 
     name = "host"
 
-    def __init__(self, names: Names, rank: int):
+    def __init__(self, names: Names, rank: int,
+                 on_progress: Callable[[int], None] | None = None):
         self.names = names
         self.rank = rank
+        self._on_progress = on_progress  # bytes of the pool populated so far
         self._regions: list[ShmRegion] = []
         self._copier: HostPlanCopier | None = None  # (device, host) pairs
 
     def attach(self, tensors: Sequence[TensorDesc], swap: HostSwapSpace) -> None:
         prefix = f"/{self.names.prefix}dev.r{self.rank}."
+        total = swap.nbytes
+        swap.populate(None if self._on_progress is None else
+                      lambda done: self._on_progress(total * done // swap.region.size))
         regions: list[ShmRegion] = []
         pairs: list[tuple[np.ndarray, np.ndarray]] = []
         try:
@@ -108,11 +115,12 @@ class HostBackend:
 
 def make_backend(kind: str, names: Names, rank: int, device: int | None = None,
                  on_pin_progress: Callable[[int], None] | None = None) -> Backend:
-    """``device`` (cuda: GPU ordinal, else found from the caches' UUID) and
-    ``on_pin_progress`` (cuda: bytes of the swap pool pinned so far) are ignored
-    by the host backend, whose pool needs no pinning."""
+    """``device``: the GPU ordinal (cuda; else found from the caches' UUID; ignored by
+    host).  ``on_pin_progress(bytes)``: how much of the swap pool is ready, as attach
+    prepares it: populated (host), populated then pinned (cuda: the first half of the
+    pool's size counts the population, the second half the pinning)."""
     if kind == "host":
-        return HostBackend(names, rank)
+        return HostBackend(names, rank, on_pin_progress)
     if kind == "cuda":
         # Imported here: it needs cupy, which only the cuda backend requires.
         from kvswap.daemon.cuda_backend import CudaBackend

@@ -459,18 +459,18 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
                    help="requests to replay (default: all of --trace, 2000 synthetic)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
     p.add_argument("--oneshot", type=float, default=SyntheticConfig.oneshot,
-                   help="synthetic: share of one-shot requests, never reused (default "
-                        f"{SyntheticConfig.oneshot})")
+                   help="synthetic: share of one-shot requests, never reused")
     p.add_argument("--zipf", type=float, default=SyntheticConfig.zipf,
                    help="synthetic: popularity exponent of conversations and system prompts "
-                        f"(default {SyntheticConfig.zipf}; 0 = uniform)")
+                        "(0 = uniform)")
     p.add_argument("--save-trace", default=None, metavar="FILE.jsonl",
                    help="also write the synthetic trace to FILE")
     p.add_argument("--device-blocks", type=int, default=128,
                    help="blocks of the engine's device prefix cache (LRU)")
     p.add_argument("--host-blocks", type=int, default=512, help="blocks of the host tier")
-    p.add_argument("--policy", choices=tuple(POLICIES), default="lru")
-    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--policy", choices=tuple(POLICIES), default="lru",
+                   help="eviction policy of the host tier")
+    p.add_argument("--tp", type=int, default=2, help="ranks of the namespace replayed through")
     p.add_argument("--storage", default=None, metavar="URL|auto",
                    help="a storage tier behind the host tier (auto: a throw-away file store)")
     p.add_argument("--sweep", type=_capacities, default=None, metavar="N,N,...",
@@ -630,11 +630,12 @@ def bench_hostcache(args: argparse.Namespace) -> dict:
 
 
 def add_hostcache_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=4000)
+    p.add_argument("--requests", type=int, default=4000, help="requests per measured round")
     p.add_argument("--blocks", type=int, default=64, help="blocks per request")
     p.add_argument("--capacity", type=int, default=4096, help="host blocks")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds per implementation, taken in turns (the median is reported)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the request stream")
 
 
 # ---------------------------------------------------------------------- plots

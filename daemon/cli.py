@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, TextIO
 
 from kvswap.client import __version__
 from kvswap.client.errors import KvswapError
@@ -16,10 +17,12 @@ from kvswap.client.monitor import format_json, format_table, read_status, transf
 from kvswap.daemon import bench, bench_all
 from kvswap.daemon.config import LaunchConfig, NamespaceOptions
 from kvswap.daemon.demo import DemoConfig
+from kvswap.daemon.logs import setup_command_logging
 from kvswap.daemon.options import (
     HelpFormatter,
     add_options,
     between,
+    format_size,
     parse_config,
     positive,
     value_type,
@@ -30,12 +33,19 @@ def _subcommand(sub: argparse._SubParsersAction, name: str, **kw: Any) -> argpar
     return sub.add_parser(name, formatter_class=HelpFormatter, **kw)
 
 
+def _namespace_checked(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    """``args`` once their namespace options passed :class:`NamespaceOptions`' checks
+    (a run root too long for the socket paths is a usage error: exit status 2)."""
+    parse_config(parser, NamespaceOptions, args)
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
     """``launch`` and ``demo`` flags come from their config dataclasses
     (kvswap.daemon.config, kvswap.daemon.demo); the others are declared here."""
     p = argparse.ArgumentParser(prog="kvswap", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    p.set_defaults(make_config=None)  # launch, demo: their config, built from the args
+    p.set_defaults(make_config=None)  # launch, demo: their config; status, metrics: the args
     sub = p.add_subparsers(dest="cmd", required=True)
 
     la = _subcommand(sub, "launch", help="start one daemon per rank and supervise them",
@@ -43,16 +53,20 @@ def build_parser() -> argparse.ArgumentParser:
                                  "all are READY, stay in the foreground; SIGINT or SIGTERM stops "
                                  "every daemon and removes the namespace. Every kvswapd option "
                                  "that is the same on every rank is a flag here too and is "
-                                 "passed to every rank's daemon.")
-    add_options(la, LaunchConfig)
+                                 "passed to every rank's daemon. Options may also come from a "
+                                 "--config file; flags override it.")
+    add_options(la, LaunchConfig, config_file=True)
     la.set_defaults(make_config=lambda args: parse_config(la, LaunchConfig, args))
 
     st = _subcommand(sub, "status", help="show the state of every rank (reads shared memory only)")
     add_options(st, NamespaceOptions)
-    st.add_argument("--json", action="store_true", help="print one JSON object")
+    st.set_defaults(make_config=lambda args: _namespace_checked(st, args))
+    st.add_argument("--json", action="store_true",
+                    help="print one JSON object on one line (with --watch: one per refresh, "
+                         "JSON Lines)")
     st.add_argument("--watch", action="store_true",
-                    help="refresh until interrupted, with GB/s per direction since the last "
-                         "refresh")
+                    help="refresh until interrupted, with GiB/s per direction since the last "
+                         "refresh (on a terminal the table is redrawn in place)")
     st.add_argument("--interval", type=value_type(float, positive), default=1.0, metavar="SECONDS",
                     help="--watch refresh period in seconds")
 
@@ -62,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "namespace's signal segment at every scrape; never talks "
                                  "to a daemon. Needs the 'metrics' extra (prometheus-client).")
     add_options(me, NamespaceOptions)
+    me.set_defaults(make_config=lambda args: _namespace_checked(me, args))
     me.add_argument("--port", type=value_type(int, between(0, 65535)), required=True,
                     metavar="PORT", help="TCP port (0: any free port)")
     me.add_argument("--host", default="127.0.0.1",
@@ -75,26 +90,98 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+class LaunchProgress:
+    """What ``kvswap launch`` shows while the ranks start (stdout).
+
+    On a terminal: one line redrawn in place with a bar of the host pools being
+    prepared (populated; cuda: and pinned) and how many ranks are in each state.
+    Otherwise a plain line each time a rank changes state or activity, with a
+    pool's progress in steps of 10 %, so a log file gets a bounded number of lines.
+    Rank warnings and errors (``log``) are printed on their own lines, on stderr."""
+
+    BAR = 24  # characters
+
+    def __init__(self, out: TextIO, err: TextIO, tty: bool):
+        self.out, self.err, self.tty = out, err, tty
+        self.t0 = time.monotonic()
+        self._last: Any = None
+        self._drawn = False  # a line without its newline is on the terminal
+
+    def _stamp(self) -> str:
+        return f"[{time.monotonic() - self.t0:6.1f}s]"
+
+    def _clear(self) -> None:
+        if self._drawn:
+            self.out.write("\r\x1b[K")
+            self.out.flush()
+            self._drawn = False
+
+    def update(self, rows: list[dict]) -> None:
+        if self.tty:
+            self._draw(rows)
+            return
+        key = tuple((r["state"], _coarse(r)) for r in rows)
+        if key != self._last:
+            self._last = key
+            text = ", ".join(f"rank {r['rank']} {r['state']}"
+                             + (f" ({r['activity']})" if r["activity"] else "") for r in rows)
+            print(f"{self._stamp()} waiting: {text}", file=self.out, flush=True)
+
+    def _draw(self, rows: list[dict]) -> None:
+        counts: dict[str, int] = {}
+        for r in rows:
+            counts[r["state"]] = counts.get(r["state"], 0) + 1
+        states = ", ".join(f"{n} {state}" for state, n in counts.items())
+        total = sum(r["swap_bytes_total"] for r in rows)
+        pools = ""
+        if total:
+            ready = sum(min(r["swap_bytes_pinned"], r["swap_bytes_total"]) for r in rows)
+            fill = self.BAR * ready // total
+            pools = (f" host pools [{'#' * fill}{'.' * (self.BAR - fill)}] "
+                     f"{format_size(ready)} / {format_size(total)}")
+        waiting = [r["activity"] for r in rows if r["activity"].startswith("registered")]
+        note = f" ({waiting[0]})" if waiting and "READY" not in counts else ""
+        self.out.write(f"\r\x1b[K{self._stamp()} {states}{pools}{note}")
+        self.out.flush()
+        self._drawn = True
+
+    def log(self, rank: int, line: str) -> None:
+        self._clear()
+        print(f"rank {rank}: {line}", file=self.err, flush=True)
+
+    def done(self) -> None:
+        if self._drawn:
+            self.out.write("\n")
+            self.out.flush()
+            self._drawn = False
+
+
+def _coarse(row: dict) -> tuple:
+    """What a plain progress line changes on: a rank's activity, its pool progress
+    rounded down to 10 %."""
+    total = row["swap_bytes_total"]
+    if not row["cache_ready"] and row["swap_bytes_pinned"] < total:
+        return ("preparing", 10 * row["swap_bytes_pinned"] // total)
+    return (row["activity"],)
 
 
 def cmd_launch(cfg: LaunchConfig) -> int:
     from kvswap.daemon.launcher import Launcher
 
-    _setup_logging()
+    setup_command_logging()
     stop = threading.Event()
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda *_: stop.set())
     status = 0
     launcher = None
+    progress = LaunchProgress(sys.stdout, sys.stderr, sys.stdout.isatty())
     try:
         launcher = Launcher(cfg)
         launcher.start()
-        t0 = time.monotonic()
-        launcher.wait_ready(on_progress=lambda text: print(
-            f"[{time.monotonic() - t0:6.1f}s] waiting: {text}", flush=True), stop=stop.is_set)
+        try:
+            launcher.wait_ready(on_progress=progress.update, stop=stop.is_set, on_log=progress.log)
+        finally:
+            progress.done()
         print(f"kvswap: namespace {cfg.namespace} READY on {cfg.tp} rank(s) "
               f"(kvswap status --namespace {cfg.namespace})", flush=True)
         while not stop.wait(0.2):
@@ -114,6 +201,10 @@ def cmd_launch(cfg: LaunchConfig) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    """One status, or with ``--watch`` one per ``--interval``.  The table is redrawn in
+    place only on a terminal; to a pipe or file each refresh is appended (JSON: one
+    object per line).  A reader that goes away (``| head``) ends it quietly, status 0."""
+    redraw = args.watch and not args.json and sys.stdout.isatty()
     prev: tuple[float, dict] | None = None  # (monotonic time, snapshot) of the last refresh
     try:
         while True:
@@ -124,19 +215,24 @@ def cmd_status(args: argparse.Namespace) -> int:
             elif args.watch:
                 rates = {} if prev is None else transfer_rates(prev[1], st, now - prev[0])
                 text = format_table(st, rates)
+                if not redraw:
+                    text += "\n"  # a blank line between appended frames
             else:
                 text = format_table(st)
             prev = (now, st)
-            if args.watch:
-                print("\x1b[2J\x1b[H" + text, flush=True)
-                time.sleep(args.interval)
-            else:
-                print(text)
+            print("\x1b[2J\x1b[H" + text if redraw else text, flush=True)
+            if not args.watch:
                 return 0
+            time.sleep(args.interval)
     except KvswapError as exc:
         print(f"kvswap status: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:
+        # The reader is gone.  Point stdout at /dev/null so the interpreter's final
+        # flush of what is still buffered does not fail again at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
 
@@ -171,7 +267,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 def cmd_demo(cfg: DemoConfig) -> int:
     from kvswap.daemon.demo import run_demo
 
-    _setup_logging()
+    setup_command_logging()
     logging.getLogger("kvswap").setLevel(logging.WARNING)
     try:
         res = run_demo(cfg)
@@ -187,7 +283,7 @@ def cmd_demo(cfg: DemoConfig) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    _setup_logging()
+    setup_command_logging()
     logging.getLogger("kvswap").setLevel(logging.WARNING)
     try:
         return bench.run(args)

@@ -25,21 +25,26 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from kvswap.client.layout import DEMO_LAYOUT_HELP, parse_demo_layout
-from kvswap.client.naming import NAMESPACE_RULE, is_valid_namespace, tcp_endpoints
+from kvswap.client.errors import NamespaceError
+from kvswap.client.naming import NAMESPACE_RULE, Names, is_valid_namespace, tcp_endpoints
 from kvswap.daemon import docblocks
 from kvswap.daemon.options import (
     Options,
     at_least,
     between,
+    format_size,
     markdown_table,
     nested,
     non_negative,
     option,
+    parse_size,
     positive,
 )
+from kvswap.daemon.storage import check_url
 from kvswap.daemon.supervisor import SupervisorConfig
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+DEFAULT_HOST_BLOCKS = 1024  # the pool size without --host-blocks or --host-size
 MAX_RANKS = 1024  # what one signal segment holds (SignalSegment.create)
 
 
@@ -89,10 +94,20 @@ def tp_option(default: Any = MISSING) -> Any:
                   parse=int, check=between(1, MAX_RANKS))
 
 
-def host_blocks_option(default: int) -> Any:
+def host_blocks_option(default: int | None) -> Any:
     """``--host-blocks`` (kvswapd and kvswap launch, kvswap demo)."""
     return option(default, flag="--host-blocks", parse=int, check=at_least(1),
+                  default_text=None if default is not None else
+                  f"{DEFAULT_HOST_BLOCKS} unless --host-size is given",
                   help="blocks of host swap space per cache tensor and rank")
+
+
+def _storage_problem(url: str) -> str | None:
+    try:
+        check_url(url)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def run_root_option() -> Any:
@@ -113,6 +128,13 @@ class NamespaceOptions(Options):
         help=f"name of one engine instance, owning its shm objects and run dir: {NAMESPACE_RULE}")
     run_root: str | None = run_root_option()
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        try:  # the run dir's socket paths must fit: a usage error like any bad flag
+            Names.of(self.namespace, self.run_root)
+        except NamespaceError as exc:
+            raise ValueError(exc.message) from None
+
 
 @dataclass(kw_only=True)
 class DaemonOptions(NamespaceOptions):
@@ -121,7 +143,14 @@ class DaemonOptions(NamespaceOptions):
     backend: str = option(
         "host", flag="--backend", choices=("host", "cuda"),
         help="host: simulated device in shared memory, no GPU; cuda: real GPUs through cupy")
-    host_blocks: int = host_blocks_option(1024)
+    host_blocks: int | None = host_blocks_option(None)
+    host_size: int | None = option(
+        None, flag="--host-size", metavar="BYTES", parse=parse_size, check=at_least(1),
+        format=str, default_text="none: --host-blocks",
+        help="host swap space per rank in bytes (64GiB, 512MiB, 4096; units are powers of "
+             "2), instead of --host-blocks: the pool holds the most blocks of every tensor "
+             "that fit, header and alignment included, worked out at register when the "
+             "block sizes are known")
     demo_caches: str | None = option(  # "" = the default layout; None = wait for a worker
         None, flag="--demo-caches", metavar="LAYOUT", const="", check=layout_problem,
         default_text="off: wait for a CacheWorker",
@@ -171,7 +200,7 @@ class DaemonOptions(NamespaceOptions):
         help="a signed tcp:// request must be this many seconds fresh; a replay inside the "
              "window is refused")
     storage_url: str | None = option(
-        None, flag="--storage", metavar="URL", default_text="none",
+        None, flag="--storage", metavar="URL", default_text="none", check=_storage_problem,
         help="storage tier behind the host swap space: file:///DIR[?capacity_bytes=N] or "
              "redis://HOST:PORT/DB (docs/storage.md)")
     model_id: str = option(
@@ -195,6 +224,33 @@ class DaemonOptions(NamespaceOptions):
     log_level: str = option(
         "INFO", flag="--log-level", parse=str.upper, choices=LOG_LEVELS,
         help="daemon log level")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.host_blocks is not None and self.host_size is not None:
+            raise ValueError("--host-blocks and --host-size both size the host pool: give one")
+
+    @property
+    def pool_blocks(self) -> int | None:
+        """Blocks per tensor of each rank's pool, or None when ``host_size`` sizes it."""
+        if self.host_size is not None:
+            return None
+        return DEFAULT_HOST_BLOCKS if self.host_blocks is None else self.host_blocks
+
+    @property
+    def host_blocks_bound(self) -> int:
+        """Most host blocks per tensor a rank may have: the frame limit is sized from it
+        (client/protocol.py max_frame_bytes) before the pool exists.  With
+        ``--host-size`` the count is known only at register, so it is bounded by
+        ``--max-device-blocks`` and a register that would exceed it is refused."""
+        blocks = self.pool_blocks
+        return self.max_device_blocks if blocks is None else blocks
+
+    def pool_text(self) -> str:
+        """How the pool is sized, for logs: ``1024 blocks per tensor`` or ``64.00 GiB``."""
+        if self.host_size is not None:
+            return f"{format_size(self.host_size)} per rank"
+        return f"{self.pool_blocks} blocks per tensor"
 
 
 @dataclass(kw_only=True)

@@ -9,8 +9,8 @@ swap space pinned and mapped for the GPU.
 2. group tensors by allocation and open each allocation's IPC handle once
    (``cudaIpcMemLazyEnablePeerAccess``), checking with the driver that every
    tensor fits in what was opened;
-3. pin the shm pool with ``cudaHostRegister(portable | mapped)`` in chunks,
-   after faulting its pages in from several threads, publishing progress;
+3. populate the shm pool (:meth:`HostSwapSpace.populate`), then pin it with
+   ``cudaHostRegister(portable | mapped)`` in chunks, publishing progress;
 4. build the :class:`~kvswap.kernels.cuda_copy.CudaTaskCopier` (kernel table,
    streams, id buffers).
 
@@ -388,10 +388,17 @@ class CudaBackend:
         region = swap.region.array(0, (swap.region.size,), np.uint8)
         total = swap.nbytes
 
+        # Ready bytes as published: population counts for the first half of the
+        # pool's size, pinning for the second (make_backend).
+        def populated(done: int) -> None:
+            if self._on_pin_progress is not None:
+                self._on_pin_progress(total * done // region.nbytes // 2)
+
         def progress(done: int) -> None:
             if self._on_pin_progress is not None:
-                self._on_pin_progress(total * done // region.nbytes)
+                self._on_pin_progress(total // 2 + total * done // region.nbytes // 2)
 
+        swap.populate(populated)
         try:
             with cupy.cuda.Device(ordinal):
                 pointers, mappings, pinned, copier = self._map(

@@ -5,6 +5,17 @@ semaphores) and is the one that removes it: on teardown every POSIX object
 named ``/kvswap.<ns>.*`` is unlinked (including swap pools and simulated device
 tensors left by a crashed process) and the run dir is deleted.
 
+Before it creates anything it checks what it can know of the shared memory the
+namespace will take (:func:`shm_needs`: journals, and the host pools and demo
+caches where their sizes are known without a CacheWorker) against this host's
+free ``/dev/shm`` and memory, and refuses with the numbers.  Every option was
+checked when the :class:`LaunchConfig` was built.
+
+While it waits for READY it reads every rank's state and log (:class:`RankLog`):
+a daemon that exits or reports FAILED ends the wait at once with the error
+lines of its log (:func:`error_lines`), and warnings are passed on as they are
+written, so a failing start is seen in the launch output, not only in a log.
+
 Stopping is staged against one deadline: a ``shutdown`` message to each daemon,
 then SIGTERM at half of the deadline, then SIGKILL at 80 %.
 """
@@ -18,18 +29,22 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import posix_ipc
 import zmq
 
+from kvswap.client.auth import load_secret
 from kvswap.client.errors import ErrorCode, KvswapError, NamespaceError, NotReady, RankTimeout
+from kvswap.client.layout import demo_layout
+from kvswap.client.monitor import rank_activity
 from kvswap.client.naming import Names
 from kvswap.client.protocol import Op, encode_request
 from kvswap.client.signals import (
     H,
-    R,
     RankState,
     SignalSegment,
     create_semaphores,
@@ -39,10 +54,16 @@ from kvswap.client.signals import (
     unlink_semaphores,
 )
 from kvswap.daemon.config import DaemonConfig, LaunchConfig
-from kvswap.daemon.options import to_argv
+from kvswap.daemon.journal import Journal
+from kvswap.daemon.logs import LINE
+from kvswap.daemon.options import format_size, to_argv
 from kvswap.daemon.supervisor import Supervisor
+from kvswap.daemon.swap_space import SwapLayout, fit_problem, pool_blocks
 
 log = logging.getLogger("kvswap.launcher")
+
+_ERROR_LEVELS = ("ERROR", "CRITICAL")
+_TAIL_BYTES = 64 << 10  # how much of a log's end error_lines reads
 
 
 def log_tail(path: Path, lines: int = 15) -> str:
@@ -51,6 +72,96 @@ def log_tail(path: Path, lines: int = 15) -> str:
     except OSError:
         return "(no log)"
     return "\n".join("    " + ln for ln in text[-lines:])
+
+
+def error_lines(path: Path, rank: int, most: int = 3) -> str:
+    """The last ``most`` errors of a rank's log, each as ``rank R: message`` followed by
+    its traceback if it has one, or the log's last lines if it holds no error.
+
+    An error is a line logged at ERROR or CRITICAL, with the lines that continue it
+    (a traceback), or lines at the end of the log that are not log lines at all:
+    what Python prints when an exception escapes the daemon."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - _TAIL_BYTES))
+            text = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return f"rank {rank}: (no log at {path})"
+    entries: list[list[str]] = []
+    current: list[str] | None = None  # the entry that continuation lines extend
+    for line in text:
+        m = LINE.match(line)
+        if m is None:
+            if current is None:
+                current = []
+                entries.append(current)
+            current.append("    " + line)
+        elif m.group(3) in _ERROR_LEVELS:
+            current = [f"rank {rank}: {m.group(5)}"]
+            entries.append(current)
+        else:
+            current = None
+    if not entries:
+        return log_tail(path, 10)
+    return "\n".join(line for entry in entries[-most:] for line in entry)
+
+
+class RankLog:
+    """Reads a rank's log as it grows: :meth:`new_lines` returns the complete lines
+    written since the last call (a log the daemon has not created yet reads as empty)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+
+    def new_lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read(_TAIL_BYTES)
+        except OSError:
+            return []
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        return [ln.decode(errors="replace") for ln in lines]
+
+
+@dataclass(frozen=True)
+class ShmNeeds:
+    """Bytes of ``/dev/shm`` each rank of a launch will take, as far as the launcher
+    can know before any daemon runs: the host pool only when its size does not
+    depend on a CacheWorker's layout (``--host-size``, or ``--demo-caches``)."""
+
+    pool: int | None  # None: sized at register, from the registered layout
+    pool_blocks: int | None  # blocks per tensor, where the layout is known
+    demo_caches: int  # the simulated device tensors of --demo-caches
+    journal: int
+
+    def per_rank(self) -> int:
+        return (self.pool or 0) + self.demo_caches + self.journal
+
+    def describe(self) -> str:
+        parts = [f"journal {format_size(self.journal)}"]
+        if self.pool is not None:
+            blocks = "" if self.pool_blocks is None else f" ({self.pool_blocks} blocks per tensor)"
+            parts.insert(0, f"host pool {format_size(self.pool)}{blocks}")
+        if self.demo_caches:
+            parts.append(f"demo caches {format_size(self.demo_caches)}")
+        return " + ".join(parts)
+
+
+def shm_needs(cfg: LaunchConfig) -> ShmNeeds:
+    """What :class:`ShmNeeds` says for ``cfg``.  Raises :class:`KvswapError` if
+    ``--host-size`` cannot hold one block of the ``--demo-caches`` layout."""
+    journal = Journal.segment_bytes(cfg.journal_records, cfg.journal_mib << 20)
+    if cfg.demo_caches is None:
+        return ShmNeeds(cfg.host_size, None, 0, journal)
+    tensors = demo_layout(cfg.demo_caches or None)
+    block_bytes = [int(np.prod(t.shape[1:])) * np.dtype(t.dtype).itemsize for t in tensors]
+    blocks = pool_blocks(block_bytes, cfg.pool_blocks, cfg.host_size)
+    demo = sum(t.shape[0] * b for t, b in zip(tensors, block_bytes))
+    return ShmNeeds(SwapLayout.of_block_bytes(block_bytes, blocks).size, blocks, demo, journal)
 
 
 def sweep_namespace(names: Names) -> list[str]:
@@ -83,6 +194,7 @@ class Launcher:
         self.seg: SignalSegment | None = None
         self.supervisor: Supervisor | None = None
         self._stopped = False
+        self.logs = [RankLog(self.names.log_path(r, self.log_dir)) for r in range(cfg.tp)]
 
     # ------------------------------------------------------------------ start
     def _refuse_if_in_use(self) -> None:
@@ -95,7 +207,8 @@ class Launcher:
             except NamespaceError as exc:
                 raise NamespaceError(
                     f"namespace {self.names.namespace!r} has an unreadable signal segment ({exc}); "
-                    f"if no launcher uses it, remove /dev/shm/{self.names.prefix}* by hand"
+                    f"if no process of the namespace runs, remove its leftovers: "
+                    f"rm -f /dev/shm/{self.names.prefix}* /dev/shm/sem.{self.names.prefix}*"
                 ) from None
             pid = int(other.header[H.LAUNCHER_PID])
             other.close()
@@ -108,7 +221,27 @@ class Launcher:
                     self.names.namespace, ", ".join(removed) or "run dir only")
         shutil.rmtree(self.names.run_dir, ignore_errors=True)
 
+    def _preflight(self) -> None:
+        """Refuse, before anything is created, what would make a daemon fail at start:
+        an unusable secret file, or shared memory this host cannot hold."""
+        if self.cfg.tcp is not None:
+            assert self.cfg.secret_file is not None  # LaunchConfig requires it with --tcp
+            load_secret(self.cfg.secret_file)
+        needs = shm_needs(self.cfg)
+        tp = self.cfg.tp
+        problem = fit_problem(tp * needs.per_rank(),
+                              f"namespace {self.names.namespace!r} ({tp} rank(s) x "
+                              f"{needs.describe()})")
+        if problem:
+            raise KvswapError(problem, ErrorCode.INVALID_TASK)
+        if needs.pool is None:
+            log.info("host pool per rank: %s, worked out at register from the caches' layout",
+                     self.cfg.pool_text())
+        else:
+            log.info("shared memory per rank: %s", needs.describe())
+
     def start(self) -> None:
+        self._preflight()
         self._refuse_if_in_use()
         self.seg = SignalSegment.create(self.names, self.cfg.tp)
         try:
@@ -146,10 +279,10 @@ class Launcher:
 
     # ------------------------------------------------------------------ watch
     def _describe(self, r: int) -> str:
-        assert self.seg is not None
-        state = self.seg.state_of(r)
-        err = int(self.seg.ranks[r, R.LAST_ERROR])
-        return (f"rank {r} ({state.name}{', last error ' + str(err) if err else ''}; "
+        row = self.rank_rows()[r]
+        activity = f": {row['activity']}" if row["activity"] else ""
+        error = f", last error {row['last_error']}" if row["last_error"] != "OK" else ""
+        return (f"rank {r} ({row['state']}{activity}{error}; "
                 f"log {self.names.log_path(r, self.log_dir)})")
 
     def dead_ranks(self) -> list[tuple[int, int]]:
@@ -160,37 +293,59 @@ class Launcher:
         assert self.seg is not None
         return ", ".join(f"rank {r} {self.seg.state_of(r).name}" for r in range(self.cfg.tp))
 
+    def rank_rows(self) -> list[dict]:
+        """Every rank's :meth:`SignalSegment.rank_snapshot` with its ``activity``."""
+        assert self.seg is not None
+        rows = [self.seg.rank_snapshot(r) for r in range(self.cfg.tp)]
+        for row in rows:
+            row["activity"] = rank_activity(rows, row["rank"])
+        return rows
+
+    def _failure(self, r: int, what: str) -> NotReady:
+        path = self.names.log_path(r, self.log_dir)
+        return NotReady(f"rank {r} {what} before READY:\n{error_lines(path, r)}\n(log {path})")
+
     def wait_ready(self, timeout: float | None = None,
-                   on_progress: Callable[[str], None] | None = None,
-                   stop: Callable[[], bool] | None = None) -> None:
-        """Wait until every rank is READY.  Fails fast, naming the rank and its log,
-        if a daemon exits or reports FAILED; raises :class:`RankTimeout` at the deadline
-        and :class:`KvswapError` (SHUTTING_DOWN) as soon as ``stop()`` is true."""
+                   on_progress: Callable[[list[dict]], None] | None = None,
+                   stop: Callable[[], bool] | None = None,
+                   on_log: Callable[[int, str], None] | None = None) -> None:
+        """Wait until every rank is READY.
+
+        Each turn it reads the ranks' new log lines (``on_log(rank, line)`` gets those
+        logged at WARNING or above) and states (``on_progress(rows)`` gets
+        :meth:`rank_rows`).  Fails fast with :class:`NotReady` naming the rank, its
+        error lines and its log if a daemon exits or reports FAILED; raises
+        :class:`RankTimeout` at the deadline and :class:`KvswapError`
+        (SHUTTING_DOWN) as soon as ``stop()`` is true."""
         assert self.seg is not None
         timeout = self.cfg.ready_timeout_s if timeout is None else timeout
-        last = ""
+
+        def pass_logs() -> None:
+            if on_log is None:
+                return
+            for r, rank_log in enumerate(self.logs):
+                for line in rank_log.new_lines():
+                    m = LINE.match(line)
+                    if m is not None and m.group(3) in ("WARNING", *_ERROR_LEVELS):
+                        on_log(r, f"{m.group(3)} {m.group(5)}")
 
         def check() -> bool | None:
-            nonlocal last
+            pass_logs()
             if stop is not None and stop():
+                pass_logs()  # what was logged before the stop, to the last line
                 raise KvswapError("interrupted while waiting for READY", ErrorCode.SHUTTING_DOWN)
             for r, rc in self.dead_ranks():
-                path = self.names.log_path(r, self.log_dir)
-                raise NotReady(f"rank {r} exited with status {rc} before READY; log {path}:\n"
-                               f"{log_tail(path)}")
+                raise self._failure(r, f"exited with status {rc}")
             for r in range(self.cfg.tp):
                 if self.seg.state_of(r) == RankState.FAILED:
-                    path = self.names.log_path(r, self.log_dir)
-                    raise NotReady(f"{self._describe(r)} failed before READY:\n{log_tail(path)}")
-            text = self.progress()
-            if on_progress is not None and text != last:
-                on_progress(text)
-            last = text
+                    raise self._failure(r, "FAILED")
+            if on_progress is not None:
+                on_progress(self.rank_rows())
             if all(self.seg.state_of(r) == RankState.READY for r in range(self.cfg.tp)):
                 return True
             return None
 
-        if poll_until(check, time.monotonic() + timeout, max_sleep=0.05) is None:
+        if poll_until(check, time.monotonic() + timeout, max_sleep=0.1) is None:
             missing = [r for r in range(self.cfg.tp) if self.seg.state_of(r) != RankState.READY]
             raise RankTimeout(f"ranks not READY after {timeout:.1f}s: "
                               + "; ".join(self._describe(r) for r in missing))

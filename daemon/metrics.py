@@ -6,26 +6,30 @@ and keeps answering when one is wedged), and it follows a namespace that is
 torn down and launched again under the same name.  While the namespace does
 not exist only ``kvswap_up 0`` is served, so the exporter may start first.
 
-Series (labels ``namespace`` and, per rank, ``rank``):
+Series (labels ``namespace`` and, per rank, ``rank``), named after the Prometheus
+naming guide (base unit, then ``_total`` for a counter; one series per fact):
 
 ====================================== ======= ===========================================
 name                                   type    value
 ====================================== ======= ===========================================
+kvswap_build_info                      gauge   1, labels ``version`` (of kvswap) and
+                                               ``protocol_version``; served even while
+                                               the namespace does not exist
 kvswap_up                              gauge   1 if the signal segment could be read
 kvswap_tp_size                         gauge   ranks of the namespace
 kvswap_engine_heartbeat_age_seconds    gauge   age of the last CacheWorker beat (absent: never)
 kvswap_rank_state                      gauge   1 for the ``state`` label of the current
                                                state, 0 for every other RankState
-kvswap_rank_state_code                 gauge   the RankState value
 kvswap_rank_epoch                      gauge   daemon starts on this rank
 kvswap_rank_heartbeat_age_seconds      gauge   age of the daemon's beat (absent: never)
 kvswap_rank_inflight                   gauge   accepted tasks not yet answered
 kvswap_rank_completed_total            counter transfer tasks completed
 kvswap_rank_failed_total               counter requests rejected or failed
-kvswap_rank_bytes_evicted_total        counter bytes copied device -> host
-kvswap_rank_bytes_loaded_total         counter bytes copied host -> device
+kvswap_rank_evicted_bytes_total        counter bytes copied device -> host
+kvswap_rank_loaded_bytes_total         counter bytes copied host -> device
 kvswap_rank_swap_pool_bytes            gauge   size of the host swap pool
-kvswap_rank_swap_pinned_bytes          gauge   bytes of the pool pinned so far
+kvswap_rank_swap_pinned_bytes          gauge   bytes of the pool made ready so far
+                                               (populated; cuda: then pinned)
 kvswap_rank_task_seconds               histo.  daemon time per task, labels ``op`` and
                                                ``phase`` (queued: received to started;
                                                exec: started to done), from the
@@ -38,6 +42,11 @@ kvswap_host_cache_*                    mixed   the host tier, when the scheduler
                                                loads, stores, store_failures, evictions
                                                (counters, ``_total``)
 ====================================== ======= ===========================================
+
+Renamed in 0.1 (issue #14): ``kvswap_rank_bytes_evicted_total`` and
+``kvswap_rank_bytes_loaded_total`` are ``kvswap_rank_evicted_bytes_total`` and
+``kvswap_rank_loaded_bytes_total``; ``kvswap_rank_state_code`` is gone (the
+``kvswap_rank_state`` series per state say the same).
 """
 
 from __future__ import annotations
@@ -56,8 +65,10 @@ from prometheus_client.core import (
     Metric,
 )
 
+from kvswap.client import __version__
 from kvswap.client.errors import NamespaceError
 from kvswap.client.monitor import read_status
+from kvswap.client.protocol import PROTOCOL_VERSION
 from kvswap.client.signals import HIST_BUCKETS, RankState
 
 _RANK_LABELS = ("namespace", "rank")
@@ -68,13 +79,13 @@ _RANK_GAUGES = (
     ("inflight", "inflight", "Accepted tasks not yet answered."),
     ("swap_bytes_total", "swap_pool_bytes", "Size of the rank's host swap pool in bytes."),
     ("swap_bytes_pinned", "swap_pinned_bytes",
-     "Bytes of the host swap pool registered with the GPU so far (host backend: the size)."),
+     "Bytes of the host swap pool made ready so far: populated (cuda: then pinned)."),
 )
 _RANK_COUNTERS = (
     ("completed", "completed", "Transfer tasks completed."),
     ("failed", "failed", "Requests rejected or transfer tasks failed."),
-    ("bytes_evicted", "bytes_evicted", "Bytes copied device -> host."),
-    ("bytes_loaded", "bytes_loaded", "Bytes copied host -> device."),
+    ("bytes_evicted", "evicted_bytes", "Bytes copied device -> host."),
+    ("bytes_loaded", "loaded_bytes", "Bytes copied host -> device."),
 )
 # (published field, metric name without the kvswap_host_cache_ prefix, help)
 _HOST_GAUGES = (
@@ -110,6 +121,11 @@ class SignalCollector:
         self.run_root = run_root
 
     def collect(self) -> Iterator[Metric]:
+        build = GaugeMetricFamily("kvswap_build_info",
+                                  "kvswap's version and wire protocol version; always 1.",
+                                  labels=["version", "protocol_version"])
+        build.add_metric([__version__, "%d.%d" % PROTOCOL_VERSION], 1)
+        yield build
         up = GaugeMetricFamily("kvswap_up", "1 if the namespace's signal segment was read.",
                                labels=["namespace"])
         try:
@@ -140,9 +156,6 @@ class SignalCollector:
         states = GaugeMetricFamily("kvswap_rank_state",
                                    "1 for the rank daemon's current state, 0 for the others.",
                                    labels=[*_RANK_LABELS, "state"])
-        code = GaugeMetricFamily("kvswap_rank_state_code",
-                                 "The rank daemon's state as its RankState number.",
-                                 labels=_RANK_LABELS)
         beat = GaugeMetricFamily("kvswap_rank_heartbeat_age_seconds",
                                  "Seconds since the rank daemon's last heartbeat.",
                                  labels=_RANK_LABELS)
@@ -155,13 +168,11 @@ class SignalCollector:
             labels = [self.namespace, str(row["rank"])]
             for s in RankState:  # every state, so an alert on a state has a series to watch
                 states.add_metric([*labels, s.name], int(s.name == row["state"]))
-            code.add_metric(labels, RankState[row["state"]].value)
             if row["heartbeat_age_s"] is not None:
                 beat.add_metric(labels, row["heartbeat_age_s"])
             for field, family in per_field:
                 family.add_metric(labels, row[field])
         yield states
-        yield code
         yield beat
         for _, family in per_field:
             yield family

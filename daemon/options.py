@@ -12,7 +12,10 @@ which values are allowed.  From that one declaration this module generates
   the launcher starts ``kvswapd`` with exactly its own options;
 * the validation of a config built in Python (:class:`Options` runs it in
   ``__post_init__``), with the same messages argparse prints;
-* the markdown flag tables of ``docs/operations.md`` (:func:`markdown_table`).
+* the markdown flag tables of ``docs/operations.md`` (:func:`markdown_table`);
+* the reading of a TOML config file (``kvswap launch --config FILE``) whose
+  keys are the flags without their leading dashes (:func:`read_config_file`),
+  checked like the flags; a flag given on the command line overrides the file.
 
 So a default, a help text or an allowed range cannot drift between
 ``kvswapd``, ``kvswap launch`` and the Python API: there is no second copy.
@@ -26,8 +29,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import re
+import sys
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable, Iterator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, as a package (a dependency there only)
+    import tomli as tomllib
 
 # A check looks at a parsed value and says what is wrong with it (completing
 # "--flag ..."), or returns None when the value is allowed.
@@ -37,6 +48,17 @@ Check = Callable[[Any], "str | None"]
 _EXPECTS: dict[Callable[[str], Any], tuple[tuple[type, ...], str]] = {
     int: ((int,), "an integer"), float: ((int, float), "a number"), str: ((str,), "a string")}
 _NO_CONST: Any = object()  # Option.const of an option whose flag always takes a value
+
+
+class _Unset:
+    """The argparse default of an option that may come from a config file: tells
+    "not on the command line" apart from any value (:func:`from_args`)."""
+
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+UNSET: Any = _Unset()
 
 
 @dataclass(frozen=True)
@@ -83,6 +105,32 @@ def positive(v: float) -> str | None:
 
 def non_negative(v: float) -> str | None:
     return None if v >= 0 else f"must be >= 0, got {v}"
+
+
+# ------------------------------------------------------------------ byte sizes
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"(\d+)\s*(?:([kmgt])(?:i?b)?|b)?", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """A positive byte count: an integer with an optional binary unit, ``K``/``KiB``,
+    ``M``/``MiB``, ``G``/``GiB``, ``T``/``TiB`` (``64GiB``, ``500G``, ``4096``).
+
+    Every unit is a power of two, as ``free -g`` and ``df -h`` count; ``64GB``
+    reads as 64 GiB too, rather than as a second meaning of the same letters."""
+    m = _SIZE.fullmatch(text.strip())
+    if not m or int(m.group(1)) == 0:
+        raise ValueError(f"want a positive byte count like 4096, 512MiB or 64GiB, got {text!r}")
+    return int(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+
+
+def format_size(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (``1.50 GiB``)."""
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
 
 
 # ------------------------------------------------------------------ validation
@@ -180,25 +228,37 @@ def _metavar(f: dataclasses.Field, opt: Option) -> str | None:
     return {int: "N", float: "SECONDS"}.get(opt.parse, f.name.upper())
 
 
-def add_options(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
+def add_options(parser: argparse.ArgumentParser, cls: type, prefix: str = "", *,
+                config_file: bool = False) -> None:
     """Add every option of ``cls`` (and of its nested options) to ``parser``.
 
     Options are grouped by the class that declares them, under the first line
-    of its docstring, base classes first."""
+    of its docstring, base classes first.  With ``config_file``, the parser also
+    takes ``--config FILE`` (:func:`read_config_file`); then no option is
+    required on the command line and each one not given parses as :data:`UNSET`,
+    so :func:`parse_config` can take it from the file or the declared default."""
+    if config_file and not prefix:
+        parser.add_argument(
+            "--config", metavar="FILE", default=None,
+            help="TOML file of options: each key is a flag of this command without its "
+                 "leading dashes (host-size = \"64GiB\", tp = 2, no-merge = true); a flag "
+                 "given here overrides the file")
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass) or not declared_in(klass):
             continue
         group = parser.add_argument_group((klass.__doc__ or klass.__name__).strip().splitlines()[0])
         for f in declared_in(klass):
             if "nested" in f.metadata:
-                add_options(parser, f.metadata["nested"], f"{prefix}{f.name}.")
+                add_options(parser, f.metadata["nested"], f"{prefix}{f.name}.",
+                            config_file=config_file)
                 continue
             opt = f.metadata.get("option")
             if opt is None:
                 continue
             dest = prefix + f.name
             default = _default(f)
-            shown = "(required)" if default is MISSING else f"(default: {default_text(f, opt)})"
+            shown = ("(required, here or in --config)" if config_file else "(required)") \
+                if default is MISSING else f"(default: {default_text(f, opt)})"
             kw: dict[str, Any] = {"dest": dest,
                                   "help": f"{opt.help} {shown.replace('%', '%%')}"}
             if _is_flag(f):
@@ -214,27 +274,115 @@ def add_options(parser: argparse.ArgumentParser, cls: type, prefix: str = "") ->
                     kw["required"] = True
                 else:
                     kw["default"] = default
+            if config_file:
+                kw.pop("required", None)
+                kw["default"] = UNSET
             group.add_argument(opt.flag, **kw)
 
 
-def from_args(cls: type, args: argparse.Namespace, prefix: str = "") -> Any:
-    """The ``cls`` that parsed ``args`` describe (ValueError if options contradict)."""
+def from_args(cls: type, args: argparse.Namespace, prefix: str = "",
+              file_values: dict[str, Any] | None = None) -> Any:
+    """The ``cls`` that parsed ``args`` describe (ValueError if options contradict or a
+    required one is missing).  An option the command line did not give (:data:`UNSET`)
+    takes its value from ``file_values`` (argparse dest -> value), else its default."""
+    file_values = file_values or {}
     values: dict[str, Any] = {}
+    missing: list[str] = []
     for f in dataclasses.fields(cls):
         if "nested" in f.metadata:
-            values[f.name] = from_args(f.metadata["nested"], args, f"{prefix}{f.name}.")
+            values[f.name] = from_args(f.metadata["nested"], args, f"{prefix}{f.name}.",
+                                       file_values)
         elif "option" in f.metadata:
-            values[f.name] = getattr(args, prefix + f.name)
+            value = getattr(args, prefix + f.name)
+            if value is UNSET:
+                value = file_values.get(prefix + f.name, _default(f))
+            if value is MISSING:
+                missing.append(f.metadata["option"].flag)
+            values[f.name] = value
+    if missing:
+        raise ValueError(f"the following arguments are required: {', '.join(missing)}")
     return cls(**values)
 
 
 def parse_config(parser: argparse.ArgumentParser, cls: type, args: argparse.Namespace) -> Any:
-    """:func:`from_args`, turning a contradiction between options into an argparse error
-    (usage, message, exit status 2), like any other bad flag."""
+    """:func:`from_args`, with the ``--config`` file if the parser takes one and it was
+    given, turning a contradiction between options, a missing one or a bad file into an
+    argparse error (usage, message, exit status 2), like any other bad flag."""
     try:
-        return from_args(cls, args)
+        path = getattr(args, "config", None)
+        return from_args(cls, args, file_values=read_config_file(path, cls) if path else None)
     except ValueError as exc:
         parser.error(str(exc))
+
+
+# ------------------------------------------------------------------ config files
+
+def config_keys(cls: type, prefix: str = "") -> dict[str, tuple[str, dataclasses.Field, Option]]:
+    """Config-file key (the flag without its leading dashes) -> (argparse dest, field,
+    option), for every option of ``cls`` and of its nested options."""
+    keys: dict[str, tuple[str, dataclasses.Field, Option]] = {}
+    for f in dataclasses.fields(cls):
+        if "nested" in f.metadata:
+            keys.update(config_keys(f.metadata["nested"], f"{prefix}{f.name}."))
+        elif "option" in f.metadata:
+            opt = f.metadata["option"]
+            keys[opt.flag.lstrip("-")] = (prefix + f.name, f, opt)
+    return keys
+
+
+def _file_value(f: dataclasses.Field, opt: Option, value: Any) -> Any:
+    """A config file's value for one option, as the option holds it; ValueError
+    with what is wrong (the same checks as the flag's)."""
+    if _is_flag(f):
+        if not isinstance(value, bool):
+            raise ValueError(f"want true or false, got {value!r}")
+        # A flag that clears a default of True (--no-merge) stores the opposite.
+        return not value if f.default else value
+    if value is True and opt.const is not _NO_CONST:
+        return opt.const  # the flag given without a value
+    if isinstance(value, str) and opt.parse is not str:
+        try:
+            value = value_type(opt.parse)(value)  # the flag's text, parsed as on the command line
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(str(exc)) from None
+    try:
+        problem = _problem(f, opt, value)
+    except TypeError:
+        problem = f"has the wrong type: {value!r}"
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+def read_config_file(path: str, cls: type) -> dict[str, Any]:
+    """The options a TOML file sets, as argparse dest -> value.
+
+    Every top-level key is one option of ``cls``, named by its flag without the
+    leading dashes (``host-size = "64GiB"``, ``tp = 2``, ``no-merge = true``); a
+    value is either the TOML type of the option (a number, a boolean, a list of
+    ordinals for ``devices``) or the text the flag takes.  ValueError naming the
+    file and the key for an unreadable file, an unknown key or a bad value."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as exc:
+        raise ValueError(f"--config {path}: cannot read it: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"--config {path}: not valid TOML: {exc}") from None
+    keys = config_keys(cls)
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in keys:
+            close = difflib.get_close_matches(key, list(keys), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"--config {path}: unknown key {key!r}: keys are the flags "
+                             f"without their leading dashes{hint}")
+        dest, f, opt = keys[key]
+        try:
+            out[dest] = _file_value(f, opt, value)
+        except ValueError as exc:
+            raise ValueError(f"--config {path}: {key} = {value!r}: {exc}") from None
+    return out
 
 
 def to_argv(cfg: Any) -> list[str]:

@@ -279,9 +279,9 @@ class Daemon:
                                                 daemon=True)
         self._control_thread.start()
         self.sm.to(RankState.ATTACHING)
-        log.info("serving %s (backend %s, tp %d, host blocks %d, epoch %d, pid %d)",
+        log.info("serving %s (backend %s, tp %d, host pool %s, epoch %d, pid %d)",
                  self.names.endpoint(self.rank), self.cfg.backend, self.cfg.tp_size,
-                 self.cfg.host_blocks, self.sig[R.EPOCH], os.getpid())
+                 self.cfg.pool_text(), self.sig[R.EPOCH], os.getpid())
         self._attach_on_start()
         status = 0
         try:
@@ -331,7 +331,8 @@ class Daemon:
         delivers a multipart message only once all of it has arrived and sets no
         limit on the number of frames; :meth:`_recv` bounds what the daemon keeps
         of it.  docs/protocol.md section 2 states the resulting bounds."""
-        self.max_frame_bytes = max_frame_bytes(self.cfg.max_device_blocks, self.cfg.host_blocks)
+        self.max_frame_bytes = max_frame_bytes(self.cfg.max_device_blocks,
+                                               self.cfg.host_blocks_bound)
         self.tcp_router: zmq.Socket | None = None
         self.router = self.ctx.socket(zmq.ROUTER)
         try:
@@ -353,10 +354,10 @@ class Daemon:
                 if sock is not None:
                     sock.close(linger=0)
             raise
-        log.info("frames up to %d bytes (--max-device-blocks %d, --host-blocks %d); at most %d "
-                 "frames kept per request; connections refused from file descriptor %d of %d",
-                 self.max_frame_bytes, self.cfg.max_device_blocks, self.cfg.host_blocks,
-                 MAX_FRAMES, self._guard.threshold, self._guard.limit)
+        log.info("frames up to %d bytes (--max-device-blocks %d, at most %d host blocks); at "
+                 "most %d frames kept per request; connections refused from file descriptor %d "
+                 "of %d", self.max_frame_bytes, self.cfg.max_device_blocks,
+                 self.cfg.host_blocks_bound, MAX_FRAMES, self._guard.threshold, self._guard.limit)
         addr = f"inproc://kvswap-done-{id(self)}"
         self._done_rx = self.ctx.socket(zmq.PAIR)
         self._done_rx.bind(addr)
@@ -971,9 +972,16 @@ class Daemon:
         if self._swap is not None:  # kept across clear(free_host=False): re-adopted below
             self._swap.close(unlink=False)
             self._swap = None
-        swap = HostSwapSpace.open(self.names, self.rank, tensors, self.cfg.host_blocks)
+        swap = HostSwapSpace.open(self.names, self.rank, tensors, self.cfg.pool_blocks,
+                                  host_bytes=self.cfg.host_size)
         self.sig[R.SWAP_BYTES_TOTAL] = swap.nbytes  # before attach: pinning reports progress
         try:
+            if swap.num_host_blocks > self.cfg.host_blocks_bound:
+                raise InvalidTask(
+                    f"--host-size gives {swap.num_host_blocks} host blocks per tensor, more "
+                    f"than --max-device-blocks {self.cfg.max_device_blocks}, which sizes the "
+                    f"largest frame the socket accepts; relaunch with a larger "
+                    f"--max-device-blocks or a smaller --host-size", ErrorCode.BAD_LAYOUT)
             self.backend.attach(tensors, swap)
         except BaseException:
             self.sig[R.SWAP_BYTES_TOTAL] = 0

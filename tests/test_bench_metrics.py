@@ -173,12 +173,11 @@ def test_metrics_equal_the_work_done(namespaces):
         lab = (("namespace", ns), ("rank", str(r)))
         assert sample[("kvswap_rank_completed_total", lab)] == 4
         assert sample[("kvswap_rank_failed_total", lab)] == 0
-        assert sample[("kvswap_rank_bytes_evicted_total", lab)] == 3 * 2 * block
-        assert sample[("kvswap_rank_bytes_loaded_total", lab)] == block
+        assert sample[("kvswap_rank_evicted_bytes_total", lab)] == 3 * 2 * block
+        assert sample[("kvswap_rank_loaded_bytes_total", lab)] == block
         assert sample[("kvswap_rank_inflight", lab)] == 0
         assert sample[("kvswap_rank_epoch", lab)] == status["ranks"][r]["epoch"]
         assert sample[("kvswap_rank_swap_pool_bytes", lab)] == 4 * 32 * (block // 4)
-        assert sample[("kvswap_rank_state_code", lab)] == 3
         assert sample[("kvswap_rank_state", (*lab, ("state", "READY")))] == 1
         assert sample[("kvswap_rank_state", (*lab, ("state", "FAILED")))] == 0
         assert 0 <= sample[("kvswap_rank_heartbeat_age_seconds", lab)] < 5
@@ -198,7 +197,36 @@ def test_metrics_without_namespace_serves_up_0():
 
     text = generate_latest(registry_for("no-such-ns", "/tmp")).decode()
     assert 'kvswap_up{namespace="no-such-ns"} 0.0' in text
+    assert "kvswap_build_info{" in text
     assert "kvswap_rank_" not in text
+
+
+def test_metric_names_follow_the_prometheus_guide(namespaces):
+    """The exposition parses with prometheus_client's own parser; counters carry their
+    unit before _total; no series says what another says; build info is there."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    import kvswap.client
+    from kvswap.client.protocol import PROTOCOL_VERSION
+    from kvswap.daemon.metrics import registry_for
+
+    launcher = namespaces.launch(tp=1, demo_caches=SMALL_LAYOUT, host_blocks=8)
+    text = generate_latest(registry_for(launcher.names.namespace, namespaces.run_root)).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = {s.name for f in families.values() for s in f.samples}
+    assert {"kvswap_rank_evicted_bytes_total", "kvswap_rank_loaded_bytes_total"} <= samples
+    assert not {"kvswap_rank_bytes_evicted_total", "kvswap_rank_bytes_loaded_total",
+                "kvswap_rank_state_code"} & samples
+    for family in families.values():
+        if family.type == "counter":
+            assert all(s.name.endswith("_total") for s in family.samples
+                       if not s.name.endswith("_created")), family.name
+    (build,) = families["kvswap_build_info"].samples
+    assert build.value == 1
+    assert build.labels == {"version": kvswap.client.__version__,
+                            "protocol_version": "%d.%d" % PROTOCOL_VERSION}
 
 
 def _first_line(proc: subprocess.Popen, timeout: float = 15.0) -> str:
@@ -224,7 +252,7 @@ def test_metrics_and_status_watch_commands(namespaces):
         port = int(line.rsplit(":", 1)[1].split("/")[0])
         assert line.startswith(f"kvswap: serving metrics of namespace {ns} on http://127.0.0.1:")
         with TransferClient(ns, 1, run_root=root) as client:
-            for i in range(20):  # 2 MiB every 30 ms: a rate --watch shows as >= 0.01 GB/s
+            for i in range(20):  # 2 MiB every 30 ms: a rate --watch shows as >= 0.01 GiB/s
                 client.evict(list(range(8)), list(range(8 * (i % 8), 8 * (i % 8) + 8))).result(10)
                 time.sleep(0.03)
         sample = _scrape(port)
@@ -235,12 +263,42 @@ def test_metrics_and_status_watch_commands(namespaces):
         out, _ = watch.communicate(timeout=10)
         exporter.communicate(timeout=10)
     assert exporter.returncode == 0 and watch.returncode == 0
-    frames = [f for f in out.split("\x1b[2J\x1b[H") if f]
+    # stdout is a pipe: frames are appended, a blank line apart, never redrawn
+    assert "\x1b" not in out
+    frames = [f for f in out.split("\n\n") if f.strip()]
     assert len(frames) >= 2
-    assert all("evict GB/s" in f and "load GB/s" in f for f in frames)
+    assert all("evict GiB/s" in f and "load GiB/s" in f for f in frames)
     # the first frame has no rate yet; later ones, taken while evicting, have numbers
     assert frames[0].splitlines()[2].split()[-3:-1] == ["-", "-"]
     assert any(f.splitlines()[2].split()[-3] not in ("-", "0.00") for f in frames[1:])
+
+
+def test_status_watch_json_into_head_is_three_json_lines_and_exit_0(namespaces):
+    launcher = namespaces.launch(tp=2, demo_caches=SMALL_LAYOUT, host_blocks=8)
+    ns, root = launcher.names.namespace, namespaces.run_root
+    status = subprocess.Popen(_cli("status", "--namespace", ns, "--run-root", root, "--watch",
+                                   "--json", "--interval", "0.05"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    head = subprocess.Popen(["head", "-n", "3"], stdin=status.stdout, stdout=subprocess.PIPE)
+    assert status.stdout is not None
+    status.stdout.close()  # head holds the pipe's read end alone: its exit closes the pipe
+    try:
+        out, _ = head.communicate(timeout=30)
+        rc = status.wait(timeout=30)
+    finally:
+        for p in (status, head):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert status.stderr is not None
+    err = status.stderr.read().decode()
+    status.stderr.close()
+    assert rc == 0 and err == "", err
+    lines = out.decode().splitlines()
+    assert len(lines) == 3
+    for line in lines:
+        obj = json.loads(line)  # an escape sequence or a pretty-printed object would fail
+        assert obj["namespace"] == ns and [r["state"] for r in obj["ranks"]] == ["READY"] * 2
 
 
 # ---------------------------------------------------------------------- status --watch rates
@@ -257,9 +315,9 @@ def _status(created: int, ranks: list[tuple[int, int, int]]) -> dict:
 
 
 def test_transfer_rates():
-    prev = _status(7, [(0, 1_000, 0), (1, 5_000_000_000, 0)])
-    cur = _status(7, [(0, 4_000_000_000 + 1_000, 1_000_000_000), (1, 4_000_000_000, 0),
-                      (2, 0, 0)])
+    # GiB/s, the unit of the table's GiB counters
+    prev = _status(7, [(0, 1_000, 0), (1, 5 << 30, 0)])
+    cur = _status(7, [(0, (4 << 30) + 1_000, 1 << 30), (1, 4 << 30, 0), (2, 0, 0)])
     assert transfer_rates(prev, cur, 2.0) == {
         0: (pytest.approx(2.0), pytest.approx(0.5)),
         1: (None, 0.0),  # bytes_evicted went back
@@ -272,9 +330,9 @@ def test_transfer_rates():
 def test_status_table_has_rate_columns_only_when_watching():
     st = _status(7, [(0, 2 << 30, 0)])
     plain = format_table(st).splitlines()
-    assert "GB/s" not in plain[1]
+    assert "GiB/s" not in plain[1]
     first = format_table(st, {}).splitlines()  # first --watch frame: nothing to diff yet
-    assert first[1].endswith("evict GB/s  load GB/s  last error")
+    assert first[1].endswith("evict GiB/s  load GiB/s  last error")
     assert first[2].split()[-3:] == ["-", "-", "-"]
     later = format_table(st, {0: (1.234, 0.001)}).splitlines()
     assert later[2].split()[-3:] == ["1.23", "<0.01", "-"]

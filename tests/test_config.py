@@ -81,10 +81,13 @@ def test_every_option_has_help_and_shows_its_default(which, capsys):
             where = f"{which} {' '.join(path)} {flag}"
             assert flag in entries, f"{where} is missing from --help"
             text = entries[flag]
-            m = re.fullmatch(r"(.*\S)\s+\((default: (.+)|required)\)", text)
+            m = re.fullmatch(r"(.*\S)\s+\((default: (.+)|required(, here or in --config)?)\)",
+                             text)
             assert m, f"{where}: help {text!r} does not end with its default or (required)"
             assert m.group(1).strip(), f"{where} has no help text"
-            assert action.required == (m.group(2) == "required"), where
+            # An option a --config file may give is required after the file is read.
+            assert (action.required or m.group(4) is not None) == \
+                m.group(2).startswith("required"), where
             if isinstance(action.default, (int, float, str)) and action.nargs != 0 \
                     and not isinstance(action.default, bool):
                 assert str(action.default) in m.group(3), f"{where}: default not shown: {text!r}"
@@ -137,9 +140,15 @@ def _parse_kvswapd(argv: list[str]) -> DaemonConfig:
     return from_args(DaemonConfig, kvswapd.build_parser().parse_args(argv))
 
 
+# Options that exclude one of NON_DEFAULT's (--host-size sizes the pool instead of
+# --host-blocks), with the value their own round trip uses.
+ALTERNATIVES = {"host_size": 64 << 30}
+
+
 def test_launcher_daemon_command_round_trips_to_an_equal_daemon_config():
     shared = {f.name for f in dataclasses.fields(DaemonOptions)} - {"namespace"}
-    assert set(NON_DEFAULT) == shared, "give every kvswapd option a non-default test value"
+    assert set(NON_DEFAULT) | set(ALTERNATIVES) == shared, \
+        "give every kvswapd option a non-default test value"
     for name, value in NON_DEFAULT.items():
         assert value != next(f for f in dataclasses.fields(DaemonOptions)
                              if f.name == name).default, name
@@ -152,6 +161,16 @@ def test_launcher_daemon_command_round_trips_to_an_equal_daemon_config():
         assert parsed == DaemonConfig(namespace="rt", rank=rank, tp_size=2, device=[3, 5][rank],
                                       listen_tcp=f"tcp://127.0.0.1:{7100 + rank}", **NON_DEFAULT)
         assert parsed == launcher.daemon_config(rank)
+
+
+def test_host_size_round_trips_instead_of_host_blocks():
+    options = {**{k: v for k, v in NON_DEFAULT.items() if k != "host_blocks"}, **ALTERNATIVES}
+    launcher = Launcher(LaunchConfig(namespace="rt", tp=1, **options))
+    cmd = launcher.daemon_command(0)
+    assert f"--host-size={64 << 30}" in cmd and not any("--host-blocks" in a for a in cmd)
+    parsed = _parse_kvswapd(cmd[3:])
+    assert parsed == launcher.daemon_config(0)
+    assert (parsed.host_size, parsed.host_blocks, parsed.pool_blocks) == (64 << 30, None, None)
 
 
 def test_default_daemon_command_is_short_and_round_trips(run_root):
@@ -202,6 +221,15 @@ BAD = [
     ("launch", ["--tcp", "127.0.0.1:7100"], ["--tcp needs --secret-file"]),
     ("launch", ["--devices", "0"], ["--devices names 1 devices for --tp 2"]),
     ("launch", ["--daemon-args", "--workers 4"], ["unrecognized arguments: --daemon-args"]),
+    ("launch", ["--host-size", "64GiB", "--host-blocks", "8"],
+     ["--host-blocks and --host-size both size the host pool: give one"]),
+    ("launch", ["--host-size", "1.5G"], ["--host-size", "like 4096, 512MiB or 64GiB"]),
+    ("launch", ["--storage", "ftp://x/y"], ["--storage", "unknown scheme 'ftp'", "file://"]),
+    ("launch", ["--run-root", "/tmp/" + "r" * 120], ["too long for an ipc:// socket path"]),
+    ("launch", ["--config", "/nonexistent/kvswap.toml"], ["--config", "cannot read it"]),
+    ("status", ["--namespace", "a b"], ["--namespace", "[A-Za-z0-9_-]"]),
+    ("status", ["--run-root", "/tmp/" + "r" * 120], ["--run-root"]),
+    ("metrics", ["--namespace", "a b"], ["--namespace", "[A-Za-z0-9_-]"]),
     ("status", ["--interval", "0"], ["--interval", "must be > 0"]),
     ("metrics", ["--port", "70000"], ["--port", "must be in [0, 65535]"]),
     ("demo", ["--threads", "0"], ["--threads", "must be >= 1"]),
@@ -272,3 +300,63 @@ def test_version_of_both_commands_is_the_installed_distribution(capsys):
             main(["--version"])
         assert ei.value.code == 0
         assert capsys.readouterr().out.strip() == f"{prog} {installed}"
+
+
+# ------------------------------------------------------------------ --config FILE
+
+def _toml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "kvswap.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_config_file_keys_are_the_flags_and_flags_override_it(tmp_path):
+    path = _toml(tmp_path, """
+namespace = "fromfile"
+tp = 2
+host-size = "64GiB"
+no-merge = true
+demo-caches = true
+devices = [3, 5]
+log-level = "debug"
+stale-after = 7
+max-restarts = 0
+ready-timeout = "30"
+""")
+    cfg = _launch_config(["--config", path, "--tp", "2", "--workers", "3",
+                          "--ready-timeout", "45"])
+    assert cfg == LaunchConfig(
+        namespace="fromfile", tp=2, host_size=64 << 30, merge=False, demo_caches="",
+        devices=[3, 5], log_level="DEBUG", stale_after_s=7.0, workers=3, ready_timeout_s=45.0,
+        supervision=SupervisorConfig(max_retries=0))
+    # a flag given on the command line wins over the file
+    assert _launch_config(["--config", path, "--namespace", "flag"]).namespace == "flag"
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("namespace = 'n'\ntp = 2\nhost-sise = '1G'\n",
+     ["unknown key 'host-sise'", "did you mean 'host-size'?"]),
+    ("namespace = 'n'\ntp = 2\nworkers = 0\n", ["workers = 0: must be >= 1, got 0"]),
+    ("namespace = 'n'\ntp = 2.5\n", ["tp = 2.5: must be an integer, got 2.5"]),
+    ("namespace = 'n'\ntp = 2\nno-merge = 'yes'\n", ["no-merge = 'yes': want true or false"]),
+    ("namespace = 'n'\ntp = 2\nstorage = 'ftp://x'\n", ["unknown scheme 'ftp'"]),
+    ("namespace = 'n'\ntp = 2\nlog-level = 'loud'\n", ["log-level = 'loud'", "one of DEBUG"]),
+    ("namespace = 'n'\ntp = [\n", ["not valid TOML"]),
+    ("tp = 2\n", ["the following arguments are required: --namespace"]),
+])
+def test_bad_config_file_exits_2_naming_the_key(tmp_path, capsys, text, expected):
+    path = _toml(tmp_path, text)
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["launch", "--config", path])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--config {path}" in err or "required" in err
+    for part in expected:
+        assert part in err, err
+
+
+def test_options_missing_from_flags_and_file_are_still_required(capsys):
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["launch", "--namespace", "n"])
+    assert ei.value.code == 2
+    assert "the following arguments are required: --tp" in capsys.readouterr().err

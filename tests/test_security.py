@@ -11,7 +11,7 @@ import pytest
 
 from kvswap.client import TransferClient
 from kvswap.client.auth import AuthFailed, ReplayGuard, load_secret, sign, verify
-from kvswap.client.errors import ErrorCode, NotReady
+from kvswap.client.errors import ErrorCode
 from kvswap.client.protocol import Op, decode_reply, encode_request, transfer_message
 
 from conftest import free_port
@@ -103,9 +103,11 @@ def test_secret_file_must_be_private(namespaces, tmp_path):
     short.chmod(0o600)
     with pytest.raises(AuthFailed, match="shorter"):
         load_secret(short)
-    with pytest.raises(NotReady, match="rank 0"):
+    # refused by the launcher before it starts anything
+    with pytest.raises(AuthFailed, match="chmod 600"):
         namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=8,
                           tcp=f"127.0.0.1:{free_port()}", secret_file=str(loose))
+    assert namespaces.launchers[-1].procs == []
 
 
 def test_replay_guard_forgets_outside_the_window():

@@ -358,7 +358,8 @@ def test_a_scheme_registered_twice_is_refused():
 @pytest.mark.parametrize("entry", BACKENDS, ids=lambda e: e.module)
 def test_every_registered_backend_implements_the_interface(entry):
     """A registration line names a module and class that exist and have the interface
-    (and the from_url that open_backend calls), so a typo fails here, not in production."""
+    (and the from_url that open_backend calls, the check_url that check_url calls), so a
+    typo fails here, not in production."""
     try:
         module = importlib.import_module(f"kvswap.daemon.storage.{entry.module}")
     except ImportError as exc:
@@ -368,7 +369,8 @@ def test_every_registered_backend_implements_the_interface(entry):
     cls = getattr(module, entry.cls)
     interface = [n for n in vars(StorageBackend) if not n.startswith("_")]
     assert set(interface) == {"contains", "put", "get", "delete", "close"}
-    missing = [n for n in (*interface, "from_url") if not callable(getattr(cls, n, None))]
+    missing = [n for n in (*interface, "from_url", "check_url")
+               if not callable(getattr(cls, n, None))]
     assert not missing, f"{entry.cls} lacks {missing}"
 
 

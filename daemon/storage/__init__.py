@@ -51,6 +51,7 @@ import xxhash
 
 from kvswap.client.block_keys import FINGERPRINT_BYTES
 from kvswap.client.errors import StorageError, StorageTimeout
+from kvswap.daemon.options import parse_size
 
 if TYPE_CHECKING:
     import numpy as np
@@ -58,8 +59,9 @@ if TYPE_CHECKING:
 __all__ = [
     "BACKENDS", "BackendEntry", "Buffer", "CorruptEntry", "ENTRY_MAGIC", "ENTRY_VERSION",
     "HEADER_BYTES", "StorageBackend", "Stored", "StorageError", "StorageTimeout",
-    "as_byte_views", "check_names", "open_backend", "pack_entry", "registered_schemes",
-    "unpack_entry", "url_options",
+    "as_byte_views", "check_names", "check_url", "open_backend", "pack_entry", "parse_bool",
+    "parse_count", "parse_seconds", "parse_size", "registered_schemes", "unpack_entry",
+    "url_options",
 ]
 
 Buffer = Union[bytes, bytearray, memoryview, "np.ndarray"]
@@ -214,18 +216,8 @@ class StorageBackend(Protocol):
         """Release connections and files; any later call raises StorageError."""
 
 
-# URL option parsers, shared by the backends' from_url.
-
-_SIZE_SUFFIX = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """A positive byte count: an int with an optional binary suffix K, M, G, T (``500G``)."""
-    m = re.fullmatch(r"(\d+)([kmgtKMGT]?)", text.strip())
-    if not m or int(m.group(1)) == 0:
-        raise ValueError("want a positive integer, optionally with a suffix K, M, G or T")
-    return int(m.group(1)) * _SIZE_SUFFIX[m.group(2).lower()]
-
+# URL option parsers, shared by the backends' from_url (and parse_size, from
+# kvswap.daemon.options: the byte sizes of flags and of URLs read alike).
 
 def parse_bool(text: str) -> bool:
     value = text.strip().lower()
@@ -280,9 +272,12 @@ class BackendEntry:
     """One backend: the URL schemes it serves and where its code is.
 
     ``module`` is a module of this package, imported on first use; ``cls`` is the
-    class in it that implements :class:`StorageBackend` and opens a URL with the
-    classmethod ``from_url(url)``.  ``extra`` names the ``kvswap[...]`` extra that
-    installs the backend's client library, for the error a missing one gets.
+    class in it that implements :class:`StorageBackend`, opens a URL with the
+    classmethod ``from_url(url)`` and checks one with the classmethod
+    ``check_url(url)``: the same parsing and the same ValueErrors as ``from_url``,
+    without connecting or creating anything (``kvswap launch`` checks ``--storage``
+    that way before it starts a daemon).  ``extra`` names the ``kvswap[...]`` extra
+    that installs the backend's client library, for the error a missing one gets.
     """
 
     schemes: tuple[str, ...]
@@ -329,18 +324,9 @@ def _backend_class(entry: BackendEntry, url: str) -> type:
     return getattr(module, entry.cls)
 
 
-def open_backend(url: str) -> StorageBackend:
-    """The backend a storage URL names, by its scheme (:data:`BACKENDS`).
-
-    - ``file:///abs/dir?capacity_bytes=500G&fsync=0``, or a bare absolute path (the
-      same as ``file://`` with that path): a directory (:mod:`.file`); created if missing.
-    - ``redis://[[user]:password@]host:port/db?timeout_s=5``, ``rediss://`` (TLS),
-      ``unix:///path/redis.sock?db=0``: Redis or Valkey (:mod:`.redis`, needs
-      ``kvswap[redis]``); connects lazily.
-
-    ValueError for a malformed URL, an unknown scheme (the message lists the
-    registered ones) or an unknown option.
-    """
+def _resolve(url: str) -> tuple[BackendEntry, str]:
+    """The registry entry a storage URL names, and the URL with a bare absolute path
+    written as ``file://``; ValueError for a malformed URL or an unknown scheme."""
     if not isinstance(url, str) or not url:
         raise ValueError(f"storage URL must be a non-empty string, got {url!r}")
     scheme, sep, _ = url.partition("://")
@@ -353,4 +339,28 @@ def open_backend(url: str) -> StorageBackend:
         known = ", ".join(f"{s}://" for s in registered_schemes())
         raise ValueError(f"storage URL {url!r}: unknown scheme {scheme.lower()!r} "
                          f"(registered: {known}, or a bare absolute path)")
+    return entry, url
+
+
+def open_backend(url: str) -> StorageBackend:
+    """The backend a storage URL names, by its scheme (:data:`BACKENDS`).
+
+    - ``file:///abs/dir?capacity_bytes=500G&fsync=0``, or a bare absolute path (the
+      same as ``file://`` with that path): a directory (:mod:`.file`); created if missing.
+    - ``redis://[[user]:password@]host:port/db?timeout_s=5``, ``rediss://`` (TLS),
+      ``unix:///path/redis.sock?db=0``: Redis or Valkey (:mod:`.redis`, needs
+      ``kvswap[redis]``); connects lazily.
+
+    ValueError for a malformed URL, an unknown scheme (the message lists the
+    registered ones) or an unknown option.
+    """
+    entry, url = _resolve(url)
     return _backend_class(entry, url).from_url(url)
+
+
+def check_url(url: str) -> None:
+    """Raise the ValueError :func:`open_backend` would raise for ``url`` (malformed,
+    unknown scheme or option, missing client library), without connecting to the
+    store or creating anything."""
+    entry, url = _resolve(url)
+    _backend_class(entry, url).check_url(url)

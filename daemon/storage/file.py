@@ -43,7 +43,7 @@ import secrets
 import threading
 import time
 import urllib.parse
-from typing import Iterator, NamedTuple, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 from kvswap.daemon.storage import (
     Buffer,
@@ -120,9 +120,10 @@ class FileBackend:
         with _io_errors(f"cannot create {self.root}"):
             os.makedirs(self.root, mode=0o700, exist_ok=True)
 
-    @classmethod
-    def from_url(cls, url: str) -> "FileBackend":
-        """``file:///abs/dir?capacity_bytes=500G&fsync=1`` (path percent-decoded)."""
+    @staticmethod
+    def _parse_url(url: str) -> tuple[str, dict[str, Any]]:
+        """The directory and the options of ``file:///abs/dir?capacity_bytes=500G&fsync=1``
+        (path percent-decoded)."""
         parts = urllib.parse.urlsplit(url)
         if parts.netloc not in ("", "localhost"):
             raise ValueError(f"storage URL {url!r}: a file URL names a local directory as "
@@ -131,7 +132,18 @@ class FileBackend:
         if not path.startswith("/"):
             raise ValueError(f"storage URL {url!r}: the directory must be an absolute path")
         opts = url_options(url, parts.query, {"capacity_bytes": parse_size, "fsync": parse_bool})
+        return path, opts
+
+    @classmethod
+    def from_url(cls, url: str) -> "FileBackend":
+        """Open ``file:///abs/dir?capacity_bytes=500G&fsync=1``, creating the directory."""
+        path, opts = cls._parse_url(url)
         return cls(path, **opts)
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        """:meth:`from_url`'s ValueErrors, without creating the directory."""
+        cls._parse_url(url)
 
     def __repr__(self) -> str:
         return f"FileBackend({self.root!r}, capacity_bytes={self.capacity_bytes})"

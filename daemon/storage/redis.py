@@ -118,6 +118,12 @@ class RedisBackend:
         return cls(pool, f"{parts.scheme}://{host} db {db}", timeout_s=timeout_s,
                    retries=int(opts.get("retries", 3)), ttl_s=int(opts.get("ttl_s", 0)))
 
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        """:meth:`from_url`'s ValueErrors: opening connects lazily, so this parses the
+        URL and builds the connection pool, then closes it, without connecting."""
+        cls.from_url(url).close()
+
     def __repr__(self) -> str:
         return f"RedisBackend({self.where})"  # never the URL: it may hold a password
 

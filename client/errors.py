@@ -78,7 +78,11 @@ class ProtocolError(KvswapError):
     default_code = ErrorCode.PROTOCOL_ERROR
 
 
-class InvalidTask(KvswapError):
+class InvalidTask(KvswapError, ValueError):
+    """A request or an argument that is wrong whatever the daemons' state: bad block
+    ids, a priority out of range, a non-bool flag, an unknown write policy.  Also a
+    ``ValueError``, so argument checks can be caught the usual way."""
+
     default_code = ErrorCode.INVALID_TASK
 
 
@@ -150,9 +154,14 @@ class TransferFailed(KvswapError):
 
 
 class RankRestarted(TransferFailed):
-    """A rank restarted while the task was in flight and the task could not be re-sent
-    (already re-sent once, part of an accepted batch, or overlapping another task in
-    flight).  ``failures`` names the rank(s)."""
+    """A rank restarted while the task was in flight, and its restarted daemon cannot
+    prove whether the earlier incarnation ran the task (code ``OUTCOME_UNKNOWN`` in
+    ``failures``): the task's destination blocks on that rank hold unknown content.
+
+    ``TransferClient`` re-sends every task a restarted rank never answered, marked
+    ``re`` (docs/protocol.md section 10), and the daemon answers a re-sent task from
+    its completion journal, so a restart normally costs no task at all; this error is
+    what is left when the journal has no answer."""
 
     default_code = ErrorCode.RANK_RESTARTED
 

@@ -43,6 +43,12 @@ ID_LIMIT = 1 << 63
 MAX_HEADER_BYTES = 1 << 20  # the msgpack header frame
 MAX_BATCH_TASKS = 4096  # tasks in one ``batch`` message; clients split larger batches
 MAX_FRAMES = 1 + 2 * MAX_BATCH_TASKS  # header + two id frames per batch task
+# A batch task map packs to at most ~62 bytes (id, op, n, priority, layerwise), so
+# MAX_BATCH_TASKS of them stay far below MAX_HEADER_BYTES; Message.frames() checks both.
+
+# Argument ranges a client checks before anything is sent (docs/protocol.md section 6).
+PRIORITY_RANGE = (-(1 << 63), (1 << 63) - 1)  # signed 64-bit: what msgpack packs as an int
+CID_LIMIT = 1 << 62  # client ids: 1 <= cid < CID_LIMIT
 
 
 def max_frame_bytes(max_device_blocks: int, num_host_blocks: int) -> int:
@@ -301,6 +307,37 @@ def encode_request(op: Op, req_id: int, fields: Mapping[str, Any] | None = None,
     return [packb(request_header(op, req_id, fields)), *frames]
 
 
+# --------------------------------------------------------------------------- arguments
+
+
+def check_int(value: Any, what: str, lo: int, hi: int) -> int:
+    """An int argument (a Python or numpy integer, never a bool) in ``[lo, hi]``, as a
+    Python int; :class:`InvalidTask` (BAD_FIELD) naming ``what`` and the range otherwise.
+    Checked in the caller's thread: a value msgpack cannot pack would otherwise fail
+    later, on the thread that sends."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise InvalidTask(f"{what} must be an int in [{lo}, {hi}], got "
+                          f"{type(value).__name__} {value!r:.60}", ErrorCode.BAD_FIELD)
+    v = int(value)
+    if not lo <= v <= hi:
+        raise InvalidTask(f"{what} {v} is out of range: it must be an int in [{lo}, {hi}]",
+                          ErrorCode.BAD_FIELD)
+    return v
+
+
+def check_priority(value: Any) -> int:
+    """A task priority: any signed 64-bit int (higher runs first among ready tasks)."""
+    return check_int(value, "priority", *PRIORITY_RANGE)
+
+
+def check_flag(value: Any, what: str) -> bool:
+    """A boolean argument: ``True`` or ``False`` (or a numpy bool), nothing truthy."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InvalidTask(f"{what} must be True or False, got {type(value).__name__} "
+                          f"{value!r:.60}", ErrorCode.BAD_FIELD)
+    return bool(value)
+
+
 # --------------------------------------------------------------------------- block ids
 
 
@@ -310,7 +347,11 @@ def as_block_ids(ids: Any, what: str) -> np.ndarray:
     int32 on the wire when every id fits, int64 otherwise.  Raises
     :class:`InvalidTask` (BAD_ID_DTYPE) for non-integer input.
     """
-    arr = np.asarray(ids)
+    try:
+        arr = np.asarray(ids)
+    except (TypeError, ValueError) as exc:  # ragged nesting, objects numpy cannot read
+        raise InvalidTask(f"{what} must be a 1-D sequence of block ids: {exc}",
+                          ErrorCode.BAD_ID_DTYPE) from None
     if arr.ndim != 1:
         if arr.size == 0:
             arr = arr.reshape(0)
@@ -461,11 +502,34 @@ class Message:
     tail: list
     epoch_stamped: bool = False
 
-    def frames(self, epochs: Sequence[int] | None = None, ts: int | None = None) -> list:
-        header = self.header if epochs is None else {**self.header, "ep": list(epochs)}
+    def frames(self, epochs: Sequence[int] | None = None, ts: int | None = None,
+               cid: int | None = None, cs: int | None = None, re: bool = False) -> list:
+        """The frames to send, with the sender's stamps (``ep``, ``ts``, ``cid``, ``cs``,
+        ``re``: docs/protocol.md section 3) added to the header.
+
+        Raises :class:`ProtocolError` (MESSAGE_TOO_LARGE) for a message beyond
+        :data:`MAX_HEADER_BYTES` or :data:`MAX_FRAMES`: a daemon refuses such a message
+        before it can read its id, so a sender would never learn which request failed.
+        """
+        header = dict(self.header)
+        if epochs is not None:
+            header["ep"] = list(epochs)
         if ts is not None:
-            header = {**header, "ts": ts}
-        return [packb(header), *self.tail]
+            header["ts"] = ts
+        if cid is not None:
+            header["cid"] = cid
+        if cs is not None:
+            header["cs"] = cs
+        if re:
+            header["re"] = True
+        packed = packb(header)
+        if len(packed) > MAX_HEADER_BYTES or 1 + len(self.tail) > MAX_FRAMES:
+            raise ProtocolError(
+                f"{header.get('op')} {header.get('id')}: a header of {len(packed)} bytes and "
+                f"{1 + len(self.tail)} frames exceeds the limits of one message "
+                f"({MAX_HEADER_BYTES} bytes, {MAX_FRAMES} frames); not sent",
+                ErrorCode.MESSAGE_TOO_LARGE)
+        return [packed, *self.tail]
 
 
 def transfer_message(op: Op, req_id: int, device_ids: np.ndarray, host_ids: np.ndarray,
@@ -567,7 +631,16 @@ KEY_BYTES = 32  # a block key (client.block_keys.block_hashes)
 
 def as_keys(keys: Any, what: str = "keys") -> np.ndarray:
     """A sequence of 32-byte keys as an (n, 32) uint8 array (a private copy)."""
-    items = list(keys)
+    if isinstance(keys, (str, bytes, bytearray, memoryview)):
+        raise InvalidTask(f"{what} must be a sequence of {KEY_BYTES}-byte keys, got one "
+                          f"{type(keys).__name__} (wrap a single key in a list)",
+                          ErrorCode.BAD_FIELD)
+    try:
+        items = list(keys)
+    except TypeError:
+        raise InvalidTask(f"{what} must be a sequence of {KEY_BYTES}-byte keys "
+                          f"(block_hashes gives them), got {type(keys).__name__}",
+                          ErrorCode.BAD_FIELD) from None
     for i, k in enumerate(items):
         if not isinstance(k, (bytes, bytearray, memoryview)) or len(k) != KEY_BYTES:
             raise InvalidTask(f"{what}[{i}] must be {KEY_BYTES} bytes (block_hashes gives them)",

@@ -122,9 +122,16 @@ class ShmRegion:
         return cls(name, buf, size, creator=False)
 
     def array(self, offset: int, shape: tuple[int, ...], dtype: np.dtype | str) -> np.ndarray:
+        """A view of the region.  Built with ``np.frombuffer``, whose base is a
+        memoryview that holds a buffer export on the mapping for as long as the array
+        or any view of it lives: the mmap then refuses to close under it (see
+        :meth:`close`).  ``np.ndarray(buffer=mmap)`` would not; it releases the export
+        at once and keeps only a pointer, which a later unmap leaves dangling."""
         if self._buf is None:
             raise ValueError(f"shm region {self.name} is closed")
-        return np.ndarray(shape, dtype=np.dtype(dtype), buffer=self._buf, offset=offset)
+        dt = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        return np.frombuffer(self._buf, dtype=dt, count=count, offset=offset).reshape(shape)
 
     def populate(self, offset: int, length: int, advice: int) -> None:
         """Fault ``[offset, offset + length)`` in, writable, without changing a byte:
@@ -142,8 +149,10 @@ class ShmRegion:
         np.bitwise_or(firsts, 0, out=firsts)
 
     def close(self) -> None:
-        """Unmap.  If arrays into the region are still alive, the mapping stays until
-        they are garbage collected (unmapping under them would crash the process)."""
+        """Unmap.  If arrays into the region are still alive, their buffer export makes
+        the mmap refuse to close; the region drops its reference instead and the
+        mapping goes when the last array does (unmapping under them would crash the
+        process)."""
         if self._buf is None:
             return
         try:

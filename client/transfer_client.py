@@ -1,12 +1,37 @@
 """``TransferClient``: the engine scheduler's handle on every rank daemon.
 
-One I/O thread owns every ZMQ socket of the client: a DEALER per rank and the
-receiving end of an inproc PAIR.  Submitting threads encode their request,
-append it to an outbox (a deque, so per-rank send order is the order of
-submission) and wake the I/O thread through the PAIR's sending end, which they
-share under a lock.  The I/O thread sends each request to every rank, matches
-replies to futures by task id, and fails any future whose deadline passes with
-:class:`RankTimeout` naming the ranks that did not answer.
+Threads::
+
+    submitting threads (any number)          I/O thread "kvswap-client-io" (one)
+    -------------------------------          -------------------------------------
+    check every argument; a bad one          owns, alone: the DEALER of every rank,
+      raises InvalidTask, nothing created      the receiving end of the wake PAIR,
+    futures + the message answering them       and the _Dispatcher: pending futures,
+      (an envelope)                            the deadline heap, open envelopes by
+    under _lock: outbox.extend(envelopes) -->  cs; per rank: epoch, frozen, backlog,
+                 wake (PAIR send)  -------->   replies owed (flow-control window)
+    return the future(s)                     loop: poll; watch ranks (freeze, queue
+                                               re-sends); take the outbox (assign
+                                               cs, send or queue); match replies;
+                                               expire deadlines; pump backlogs
+
+Submitting threads only hand envelopes (futures + the message that answers
+them) to the I/O thread; nothing else in the client touches its state, so it
+needs no lock and no dict can change size under an iteration.  Futures
+complete on the I/O thread only, and so do their done-callbacks (a write-back
+load waiting for its evict is the dispatcher's state, not a callback).
+
+Every unit of the I/O thread's work (sending one envelope, handling one reply,
+watching one rank, expiring one future) is guarded: an unexpected exception is
+logged with its traceback and fails that unit's futures with INTERNAL_ERROR,
+and the thread carries on.  The deadline of every future still holds whatever
+happens.
+
+Re-sends after a rank restart (docs/protocol.md section 10): every message
+carries the client's id ``cid`` and its sequence number ``cs`` (assigned when
+the I/O thread first sends it); when a restarted rank is READY again, whatever
+it owes is sent to it again in ``cs`` order, marked ``re``, so its daemon can
+answer from its completion journal instead of running a task twice.
 """
 
 from __future__ import annotations
@@ -15,11 +40,13 @@ import collections
 import heapq
 import itertools
 import logging
+import math
 import secrets
+import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import zmq
@@ -31,6 +58,7 @@ from kvswap.client.errors import (
     KvswapError,
     NamespaceError,
     NotReady,
+    ProtocolError,
     RankFailure,
     RankRestarted,
     RankTimeout,
@@ -38,6 +66,8 @@ from kvswap.client.errors import (
 )
 from kvswap.client.naming import Names, tcp_endpoints
 from kvswap.client.protocol import (
+    CID_LIMIT,
+    MAX_BATCH_TASKS,
     BatchItem,
     Message,
     Op,
@@ -45,6 +75,9 @@ from kvswap.client.protocol import (
     as_block_ids,
     as_keys,
     batch_message,
+    check_flag,
+    check_int,
+    check_priority,
     decode_reply,
     request_header,
     storage_message,
@@ -57,6 +90,26 @@ from kvswap.client.signals import R, RankState, SignalSegment, wait_ranks
 log = logging.getLogger("kvswap.client")
 
 _WATCH_MS = 20  # how often the I/O thread looks for restarted ranks while work is pending
+_CLOSE_JOIN_S = 10.0  # close() waits this long for the I/O thread, never longer
+_POLICIES = ("write_through", "write_back")
+# Flow control (see _Dispatcher): replies a rank may owe this client at once, and
+# the tasks of one batch message (small enough that a window holds a few).
+WINDOW = 384
+BATCH_CHUNK = min(MAX_BATCH_TASKS, 128)
+
+
+def _seconds(value: Any, what: str, positive: bool) -> float:
+    """A finite number of seconds (> 0 if ``positive``, else >= 0)."""
+    if (isinstance(value, (bool, np.bool_))
+            or not isinstance(value, (int, float, np.integer, np.floating))):
+        raise InvalidTask(f"{what} must be a number of seconds, got {type(value).__name__} "
+                          f"{value!r:.60}", ErrorCode.BAD_FIELD)
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise InvalidTask(f"{what} must be finite and {bound} seconds, got {v}",
+                          ErrorCode.BAD_FIELD)
+    return v
 
 
 @dataclass(frozen=True)
@@ -105,14 +158,10 @@ class TransferFuture:
                  client: "TransferClient | None" = None):
         self.task_id = task_id
         self._client = client
-        self.message: Message | None = None  # what to send (again, after a restart)
-        self.blocks: tuple[np.ndarray, np.ndarray] | None = None  # (device, host) ids
-        self.retried: set[int] = set()  # ranks this task was re-sent to
         self.backup: TransferFuture | None = None  # evict(..., backup_keys=...)
-        self.batch_id: int | None = None  # the batch message that carries this task
         self.op = op
         self.ranks = tuple(ranks)
-        self.deadline = deadline
+        self.deadline = deadline  # moved by the I/O thread only (a write-back load's sending)
         self.submitted = time.perf_counter()
         self.completed: float | None = None
         self._replies: dict[int, Reply] = {}
@@ -126,7 +175,9 @@ class TransferFuture:
     def _on_reply(self, reply: Reply) -> bool:
         """Record one rank's reply; True once the future is complete."""
         if reply.rank not in self.ranks or reply.rank in self._replies:
-            log.warning("task %d: unexpected reply from rank %d", self.task_id, reply.rank)
+            # a re-send the old incarnation had answered too, or a stray reply
+            log.debug("task %d: reply from rank %d ignored (already answered or not a rank "
+                      "of the task)", self.task_id, reply.rank)
             return False
         self._replies[reply.rank] = reply
         if len(self._replies) < len(self.ranks):
@@ -134,7 +185,7 @@ class TransferFuture:
         failures = [RankFailure(r.rank, r.code, r.message)
                     for r in self._replies.values() if not r.ok]
         if failures:
-            cls = (RankRestarted if any(f.code == ErrorCode.RANK_RESTARTED for f in failures)
+            cls = (RankRestarted if any(f.code == ErrorCode.OUTCOME_UNKNOWN for f in failures)
                    else TransferFailed)
             self._finish(error=cls(self.task_id, self.op.value, failures))
         else:
@@ -191,16 +242,27 @@ class TransferFuture:
 
     def result(self, timeout: float | None = None) -> TaskResult:
         """Wait for every rank; raise :class:`TransferFailed` naming failing ranks and
-        codes, or :class:`RankTimeout` naming the ranks that have not answered."""
-        wait = max(0.0, self.deadline - time.monotonic()) + 1.0 if timeout is None else timeout
-        if not self._event.wait(wait):
-            missing = ", ".join(map(str, self.missing_ranks()))
-            raise RankTimeout(f"task {self.task_id} ({self.op.value}): rank(s) {missing} have not "
-                              f"answered after {wait:.1f}s")
+        codes, or :class:`RankTimeout` naming the ranks that have not answered.
+
+        ``timeout=None`` waits until a second past the deadline (the I/O thread fails
+        the future at the deadline itself; the deadline of a write-back load moves
+        to its sending)."""
+        if timeout is None:
+            t0 = time.monotonic()
+            while not self._event.wait(max(0.0, self.deadline - time.monotonic()) + 1.0):
+                if time.monotonic() >= self.deadline + 1.0:
+                    self._raise_timeout(time.monotonic() - t0)
+        elif not self._event.wait(_seconds(timeout, "timeout", positive=False)):
+            self._raise_timeout(timeout)
         if self._error is not None:
             raise self._error
         assert self._result is not None
         return self._result
+
+    def _raise_timeout(self, waited: float) -> None:
+        missing = ", ".join(map(str, self.missing_ranks()))
+        raise RankTimeout(f"task {self.task_id} ({self.op.value}): rank(s) {missing} have not "
+                          f"answered after {waited:.1f}s")
 
     def exception(self, timeout: float | None = None) -> KvswapError | None:
         try:
@@ -214,10 +276,367 @@ class TransferFuture:
         return None if self.completed is None else self.completed - self.submitted
 
 
+# ====================================================================== I/O thread state
+
+Transmit = Callable[[list, Sequence[int]], None]  # (frames, ranks): send to each rank
+
+
+@dataclass(eq=False)
+class _Envelope:
+    """One message of this client and the futures it answers: a single request
+    (``carrier`` alone) or a batch (``carrier`` answered under the batch id, one
+    future per task; ``items`` are kept so that a re-send can rebuild the batch
+    with only the tasks a rank still owes)."""
+
+    carrier: TransferFuture
+    message: Message
+    tasks: tuple[TransferFuture, ...] = ()
+    items: tuple[BatchItem, ...] = ()
+    after: TransferFuture | None = None  # write_back: sent once this evict succeeded
+    cs: int = 0  # the client sequence number, assigned at the first send
+    sent: set[int] = field(default_factory=set)  # ranks whose current daemon got it
+    first_ep: dict[int, int] = field(default_factory=dict)  # rank -> epoch of its first send
+    open: int = 0  # futures not complete yet
+
+    @property
+    def futures(self) -> tuple[TransferFuture, ...]:
+        return (self.carrier, *self.tasks)
+
+
+class _Dispatcher:
+    """Everything the I/O thread owns, apart from its sockets.
+
+    Only the I/O thread calls it, so it takes no lock; ``transmit(frames, ranks)``
+    is its only way out.  Every envelope with a future still open stays in
+    ``_open``, keyed and ordered by ``cs``; each rank has a FIFO ``_backlog`` of
+    envelopes not sent to it yet.
+
+    * An envelope gets its ``cs`` when the I/O thread takes it from the outbox,
+      and goes to each rank at once or, if that rank's backlog is not empty,
+      behind it: every rank receives the client's messages in ``cs`` order.
+    * Flow control: a rank is sent a message only while the replies it owes
+      (one per future of each message sent to it and not answered yet) stay
+      within :data:`WINDOW`, or when it owes none.  A daemon's ROUTER queues at
+      most 1000 replies per peer and silently drops the rest; with at most
+      WINDOW outstanding (plus ZMQ's lag in counting what was read, under 500)
+      none is ever dropped, however slowly this thread reads.
+    * A rank whose epoch changes is *frozen*: its backlog is not sent.  When it
+      is READY again, every envelope its old daemon was sent and still owes an
+      answer for is put in front of its backlog, in ``cs`` order, to go marked
+      ``re`` (the old daemon may have run it: the new one answers it from the
+      completion journal); what had never reached the rank follows unmarked.
+      Everything sent to a rank has a smaller ``cs`` than everything in its
+      backlog, so the rank still receives everything in ``cs`` order.  What is
+      owed is computed when it is sent: a batch goes as a batch of the tasks
+      the rank has not answered (same id, same ``cs``).
+    """
+
+    def __init__(self, tp_size: int, cid: int, transmit: Transmit, task_timeout: float,
+                 rank_epoch: Callable[[int], int], rank_ready: Callable[[int], bool],
+                 describe: Callable[[int], str], signed: bool = False):
+        """``rank_epoch`` / ``rank_ready`` / ``describe`` read a rank's slots of the
+        signal segment; ``transmit(frames, ranks)`` sends."""
+        self.tp_size = tp_size
+        self.cid = cid
+        self.task_timeout = task_timeout
+        self.retried = 0  # messages re-sent to a restarted rank
+        self._transmit = transmit
+        self._rank_epoch = rank_epoch
+        self._rank_ready = rank_ready
+        self._describe = describe
+        self._signed = signed
+        self._cs = itertools.count(1)
+        self._epochs = [rank_epoch(r) for r in range(tp_size)]  # as we last addressed them
+        self._frozen: set[int] = set()  # restarted ranks not READY again
+        self._owing = [0] * tp_size  # replies each rank owes on what it was sent
+        self._backlog: list[collections.deque[tuple[_Envelope, bool]]] = [
+            collections.deque() for _ in range(tp_size)]  # (envelope, re) not sent yet
+        self._pending: dict[int, tuple[TransferFuture, _Envelope]] = {}  # task id ->
+        self._open: dict[int, _Envelope] = {}  # cs -> envelope, in cs order
+        self._batches: dict[int, _Envelope] = {}  # batch id -> its open envelope
+        self._waiting: dict[int, list[_Envelope]] = {}  # evict id -> write-back loads
+        self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, task id)
+        self._closed = False
+
+    # ------------------------------------------------------------------ queries
+    def busy(self) -> bool:
+        """Anything that needs the restart watch: futures waiting, or a frozen rank."""
+        return bool(self._pending or self._frozen or self._waiting)
+
+    def next_deadline(self) -> float | None:
+        return self._deadlines[0][0] if self._deadlines else None
+
+    # ------------------------------------------------------------------ entry points
+    def post(self, env: _Envelope) -> None:
+        """Send a new envelope to every rank (or queue it behind that rank's backlog)."""
+        try:
+            self._post(env)
+        except Exception as exc:
+            self.internal_error(f"sending task {env.carrier.task_id}", exc, env.futures)
+
+    def on_reply(self, reply: Reply) -> None:
+        try:
+            self._on_reply(reply)
+        except Exception as exc:
+            env = self._batches.get(reply.id) if isinstance(reply.id, int) else None
+            entry = self._pending.get(reply.id) if isinstance(reply.id, int) else None
+            affected = env.futures if env else (entry[0],) if entry else ()
+            self.internal_error(f"handling rank {reply.rank}'s reply to {reply.id}", exc,
+                                affected)
+
+    def watch(self) -> None:
+        """Freeze ranks whose epoch changed; re-send to frozen ranks that are READY."""
+        for r in range(self.tp_size):
+            try:
+                epoch = self._rank_epoch(r)
+                if epoch != self._epochs[r] and r not in self._frozen:
+                    log.warning("rank %d restarted (epoch %d -> %d); holding its traffic until "
+                                "it is READY", r, self._epochs[r], epoch)
+                    self._frozen.add(r)
+                if r in self._frozen and self._rank_ready(r):
+                    self._unfreeze(r, epoch)
+            except Exception as exc:
+                owed = [f for env in self._open.values() for f in env.futures
+                        if not f.done() and r not in f._replies]
+                self.internal_error(f"watching rank {r}", exc, owed)
+
+    def pump(self) -> None:
+        """Send what each rank's backlog holds, as far as its window allows."""
+        for r in range(self.tp_size):
+            q = self._backlog[r]
+            while q and r not in self._frozen:
+                env, re = q[0]
+                try:
+                    owed = self._owed(env, r)
+                    if owed is not None and not self._room(r, owed[1]):
+                        break
+                    q.popleft()
+                    if owed is not None:
+                        if re:
+                            self.retried += 1
+                        self._send(env, owed[0], owed[1], [r], re)
+                except Exception as exc:
+                    if q and q[0][0] is env:
+                        q.popleft()
+                    self.internal_error(f"sending task {env.carrier.task_id} to rank {r}", exc,
+                                        env.futures)
+
+    def expire(self, now: float) -> None:
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, tid = heapq.heappop(self._deadlines)
+            entry = self._pending.get(tid)
+            if entry is None:
+                continue
+            fut = entry[0]
+            try:
+                missing = fut.missing_ranks()
+                detail = "; ".join(self._describe(r) for r in missing)
+                error = RankTimeout(
+                    f"task {tid} ({fut.op.value}) not acknowledged within "
+                    f"{self.task_timeout:.1f}s by {len(missing)} rank(s): {detail}")
+            except Exception as exc:
+                self.internal_error(f"expiring task {tid}", exc, [fut])
+                continue
+            self._complete(fut, error=error)
+
+    def close(self) -> None:
+        """Fail every future with SHUTTING_DOWN; later posts fail the same way."""
+        self._closed = True
+        waiting = [env for deps in self._waiting.values() for env in deps]
+        self._waiting.clear()
+        for fut, _ in list(self._pending.values()):
+            self._complete(fut, error=_closed_error(fut))
+        for env in waiting:
+            for f in env.futures:
+                f._finish(error=_closed_error(f))
+        for q in self._backlog:
+            q.clear()
+
+    def internal_error(self, where: str, exc: BaseException,
+                       futures: Iterable[TransferFuture]) -> None:
+        """A bug on the I/O thread costs the futures it touched, never the thread."""
+        hit = [f for f in futures if not f.done()]
+        log.error("client I/O thread: unexpected error while %s; failing %d task(s) with "
+                  "INTERNAL_ERROR", where, len(hit), exc_info=exc)
+        for f in hit:
+            self._complete(f, error=KvswapError(
+                f"task {f.task_id} ({f.op.value}): the client's I/O thread failed while "
+                f"{where}: {type(exc).__name__}: {exc} (the client log has the traceback)",
+                ErrorCode.INTERNAL_ERROR))
+
+    # ------------------------------------------------------------------ internals
+    def _post(self, env: _Envelope) -> None:
+        if all(f.done() for f in env.futures):
+            return  # failed while it waited (an internal error, a close)
+        if self._closed:
+            for f in env.futures:
+                f._finish(error=_closed_error(f))
+            return
+        if env.after is not None:
+            if not env.after.done():
+                self._waiting.setdefault(env.after.task_id, []).append(env)
+                return
+            err = env.after._error
+            if err is not None:
+                f = env.carrier
+                f._finish(error=TransferFailed(f.task_id, f.op.value, [
+                    RankFailure(r, ErrorCode.CANCELLED, f"not submitted: write-back evict "
+                                f"{env.after.task_id} failed ({err})") for r in f.ranks]))
+                return
+            env.carrier.deadline = time.monotonic() + self.task_timeout  # counts from sending
+        env.cs = next(self._cs)
+        env.open = len(env.futures)
+        self._open[env.cs] = env
+        if env.tasks:
+            self._batches[env.carrier.task_id] = env
+        for f in env.futures:
+            self._pending[f.task_id] = (f, env)
+            heapq.heappush(self._deadlines, (f.deadline, f.task_id))
+        cost = len(env.futures)
+        now = []
+        for r in env.carrier.ranks:
+            if self._backlog[r] or not self._room(r, cost):
+                self._backlog[r].append((env, False))
+            else:
+                now.append(r)
+        if now:
+            self._send(env, env.message, cost, now, re=False)
+
+    def _room(self, r: int, cost: int) -> bool:
+        return r not in self._frozen and (self._owing[r] == 0
+                                          or self._owing[r] + cost <= WINDOW)
+
+    def _send(self, env: _Envelope, message: Message, cost: int, ranks: Sequence[int],
+              re: bool) -> None:
+        """Send ``message`` (answering ``cost`` futures of ``env``) to ``ranks``."""
+        epochs = self._epochs if message.epoch_stamped else None
+        ts = time.time_ns() if self._signed else None  # a re-send is a new message, not a replay
+        try:
+            frames = message.frames(epochs, ts=ts, cid=self.cid, cs=env.cs, re=re)
+        except ProtocolError as exc:  # too large: a daemon could not say which request failed
+            for f in env.futures:
+                self._complete(f, error=TransferFailed(f.task_id, f.op.value, [
+                    RankFailure(r, exc.code, exc.message) for r in ranks]))
+            return
+        self._transmit(frames, ranks)
+        for r in ranks:
+            env.sent.add(r)
+            self._owing[r] += cost
+            if message.epoch_stamped:
+                env.first_ep.setdefault(r, self._epochs[r])
+
+    def _on_reply(self, reply: Reply) -> None:
+        if reply.code == ErrorCode.RANK_RESTARTED:
+            return  # addressed to a dead incarnation: the re-send after the restart covers it
+        if not isinstance(reply.id, int):
+            log.warning("dropping a reply without a task id from rank %d: [%d %s] %s",
+                        reply.rank, int(reply.code), reply.code.name, reply.message)
+            return
+        batch = self._batches.get(reply.id)
+        entry = self._pending.get(reply.id)
+        env = batch if batch is not None else entry[1] if entry is not None else None
+        if env is not None and reply.code == ErrorCode.NOT_READY and self._stale(env, reply.rank):
+            log.debug("NOT_READY from rank %d for %d, sent to an earlier epoch: the re-send "
+                      "after the restart answers it", reply.rank, reply.id)
+            return
+        if batch is not None and not reply.ok:
+            self._refuse_batch(batch, reply)
+        if entry is None:
+            log.debug("reply for unknown or finished task %d from rank %d", reply.id, reply.rank)
+            return
+        self._record(*entry, reply)
+
+    def _stale(self, env: _Envelope, r: int) -> bool:
+        """Was ``env`` first sent to rank ``r`` stamped with an epoch it has since left?
+
+        A restarted daemon that is not READY yet checks its state before the stamp,
+        so it answers a message addressed to its dead predecessor NOT_READY, not
+        RANK_RESTARTED; such a reply is dropped like RANK_RESTARTED."""
+        first = env.first_ep.get(r)
+        return first is not None and 0 <= r < self.tp_size and first != self._rank_epoch(r)
+
+    def _record(self, fut: TransferFuture, env: _Envelope, reply: Reply) -> None:
+        r = reply.rank
+        if r in fut.ranks and r not in fut._replies and r in env.sent:
+            self._owing[r] -= 1
+        if fut._on_reply(reply):
+            self._settle(fut, env)
+
+    def _refuse_batch(self, env: _Envelope, reply: Reply) -> None:
+        """A rank refused a batch whole: its tasks there get no reply of their own."""
+        for t in env.tasks:
+            if not t.done() and reply.rank not in t._replies:
+                self._record(t, env, Reply(t.task_id, reply.rank, False, reply.code,
+                                           f"batch {env.carrier.task_id} refused: "
+                                           f"{reply.message}"))
+
+    def _unfreeze(self, r: int, epoch: int) -> None:
+        """The restarted rank ``r`` is READY: what its old daemon was sent and never
+        answered goes first (marked ``re``), then its backlog."""
+        self._epochs[r] = epoch
+        self._frozen.discard(r)
+        self._owing[r] = 0  # the old daemon's answers are not coming
+        resend = []
+        for env in self._open.values():
+            if r in env.sent:
+                env.sent.discard(r)
+                resend.append((env, True))
+        self._backlog[r].extendleft(reversed(resend))
+
+    def _owed(self, env: _Envelope, r: int) -> tuple[Message, int] | None:
+        """What rank ``r`` still owes an answer for, as (message, futures it answers);
+        None if nothing."""
+        if not env.tasks:
+            f = env.carrier
+            return None if f.done() or r in f._replies else (env.message, 1)
+        owed = [i for i, t in enumerate(env.tasks) if not t.done() and r not in t._replies]
+        carrier = int(not env.carrier.done() and r not in env.carrier._replies)
+        if not owed and not carrier:
+            return None
+        if len(owed) == len(env.tasks):
+            return env.message, carrier + len(owed)
+        return (batch_message(env.carrier.task_id, [env.items[i] for i in owed]),
+                carrier + len(owed))
+
+    def _complete(self, fut: TransferFuture, error: KvswapError) -> None:
+        if fut.done():
+            return
+        fut._finish(error=error)
+        entry = self._pending.get(fut.task_id)
+        if entry is not None:
+            self._settle(*entry)
+
+    def _settle(self, fut: TransferFuture, env: _Envelope) -> None:
+        """``fut`` has completed: free the window slots of ranks that had not answered
+        it, forget it (and its envelope once all of it has), and post the write-back
+        loads that waited for it."""
+        self._pending.pop(fut.task_id, None)
+        for r in env.sent:
+            if r not in fut._replies:
+                self._owing[r] -= 1
+        env.open -= 1
+        if env.open <= 0:
+            self._open.pop(env.cs, None)
+            self._batches.pop(env.carrier.task_id, None)
+        for dep in self._waiting.pop(fut.task_id, ()):
+            self.post(dep)
+
+
+def _closed_error(fut: TransferFuture) -> KvswapError:
+    return KvswapError(f"task {fut.task_id} ({fut.op.value}): client closed",
+                       ErrorCode.SHUTTING_DOWN)
+
+
+# ====================================================================== the client
+
+
 class TransferClient:
     """Submit evict/load/control tasks to every rank of a namespace.
 
     Thread-safe.  ``task_timeout`` is every task's deadline: no future waits past it.
+    Every argument of every call is checked in the calling thread, before anything
+    is created or sent; a bad one raises :class:`InvalidTask` (also a ``ValueError``)
+    naming the argument and what it may be.
     """
 
     def __init__(self, namespace: str, tp_size: int, run_root: str | None = None,
@@ -226,9 +645,20 @@ class TransferClient:
         """``tcp="HOST:BASEPORT"`` talks to the ranks' tcp:// listeners instead of their
         ipc:// sockets, signing every message with ``secret`` (the signal segment is
         still read from this node's /dev/shm)."""
+        tp_size = check_int(tp_size, "tp_size", 1, sys.maxsize)
+        task_timeout = _seconds(task_timeout, "task_timeout", positive=True)
+        if tcp is not None:
+            if not isinstance(tcp, str):
+                raise InvalidTask(f"tcp must be 'HOST:BASEPORT', got {type(tcp).__name__}",
+                                  ErrorCode.BAD_FIELD)
+            if not isinstance(secret, (bytes, bytearray)) or not secret:
+                raise InvalidTask("a tcp:// client needs the shared secret (non-empty bytes)",
+                                  ErrorCode.BAD_FIELD)
         self.names = Names.of(namespace, run_root)
         self.tp_size = tp_size
         self.task_timeout = task_timeout
+        endpoints = (tcp_endpoints(tcp, tp_size) if tcp is not None
+                     else [self.names.endpoint(r) for r in range(tp_size)])
         self.seg = SignalSegment.attach(self.names, readonly=True)
         if self.seg.tp_size != tp_size:
             tp = self.seg.tp_size
@@ -237,33 +667,26 @@ class TransferClient:
         # Task ids are unique across clients (they key the layer-progress table):
         # a random 31-bit prefix, then a counter.
         self._ids = itertools.count((secrets.randbits(31) << 32) + 1)
-        self._cid = secrets.randbits(62) or 1
-        self._cs = itertools.count(1)
-        self._pending: dict[int, TransferFuture] = {}
-        self._deadlines: list[tuple[float, int]] = []  # heap, I/O thread only
-        self._outbox: collections.deque[
-            tuple[TransferFuture, Sequence[TransferFuture]]] = collections.deque()
-        # I/O thread only: the epoch each rank had when we last addressed it, ranks
-        # that restarted and are not READY again (their traffic waits in _held).
-        self._epochs = [int(e) for e in self.seg.ranks[:, R.EPOCH]]
-        self._frozen: set[int] = set()
-        self._held: dict[int, list[TransferFuture]] = {r: [] for r in range(tp_size)}
-        self.retried = 0  # tasks re-sent after a rank restart (for operators and tests)
+        self.cid = secrets.randbelow(CID_LIMIT - 1) + 1  # 1 <= cid < CID_LIMIT
+        self._secret = bytes(secret) if tcp is not None else None
+        self._io = _Dispatcher(tp_size, self.cid, self._transmit, task_timeout,
+                               rank_epoch=lambda r: int(self.seg.ranks[r, R.EPOCH]),
+                               rank_ready=lambda r: self.seg.state_of(r) == RankState.READY,
+                               describe=self._describe, signed=self._secret is not None)
+        # Shared with submitting threads, under _lock: the outbox, _closed, the wake-up.
+        self._outbox: collections.deque[_Envelope] = collections.deque()
+        self._lock = threading.Lock()
         self._closed = False
+        self._wake_pending = False
         self._ctx = zmq.Context(1)
         addr = f"inproc://kvswap-client-wake-{id(self)}"
         self._wake_rx = self._ctx.socket(zmq.PAIR)
+        self._wake_rx.setsockopt(zmq.LINGER, 0)
         self._wake_rx.bind(addr)
         self._wake_tx = self._ctx.socket(zmq.PAIR)
+        self._wake_tx.setsockopt(zmq.LINGER, 0)
         self._wake_tx.setsockopt(zmq.SNDHWM, 1)
         self._wake_tx.connect(addr)
-        self._wake_lock = threading.Lock()
-        self._wake_pending = False
-        if tcp is not None and not secret:
-            raise ValueError("a tcp:// client needs the shared secret")
-        self._secret = secret if tcp is not None else None
-        endpoints = (tcp_endpoints(tcp, tp_size) if tcp is not None
-                     else [self.names.endpoint(r) for r in range(tp_size)])
         self._dealers = []
         for endpoint in endpoints:
             s = self._ctx.socket(zmq.DEALER)
@@ -275,6 +698,11 @@ class TransferClient:
         self._thread = threading.Thread(target=self._io_loop, name="kvswap-client-io",
                                         daemon=True)
         self._thread.start()
+
+    @property
+    def retried(self) -> int:
+        """Messages re-sent to a restarted rank (for operators and tests)."""
+        return self._io.retried
 
     # ------------------------------------------------------------------ readiness
     def _describe(self, r: int) -> str:
@@ -289,6 +717,9 @@ class TransferClient:
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Block until every rank is READY, or raise :class:`RankTimeout` naming each
         rank that is not, with its state and log file."""
+        timeout = _seconds(timeout, "timeout", positive=False)
+        self._check_open()
+
         def ready(r: int) -> bool:
             state = self.seg.state_of(r)
             if state in (RankState.FAILED, RankState.STOPPED, RankState.STOPPING):
@@ -298,11 +729,20 @@ class TransferClient:
         wait_ranks(self.seg, range(self.tp_size), ready, timeout, "all ranks READY",
                    self._describe)
 
-    def _block_limits(self) -> tuple[int, int] | None:
-        """Smallest device/host block counts over ranks, once every rank has published them."""
+    def _block_limits(self) -> tuple[int, int]:
+        """Smallest device/host block counts over ranks; no bound while a rank has not
+        published them yet."""
+        self._check_open()
         dev = int(self.seg.ranks[:, R.NUM_DEVICE_BLOCKS].min())
         host = int(self.seg.ranks[:, R.NUM_HOST_BLOCKS].min())
-        return (dev, host) if dev and host else None
+        if dev and host:
+            return dev, host
+        big = int(np.iinfo(np.int64).max)
+        return big, big
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KvswapError("TransferClient is closed", ErrorCode.SHUTTING_DOWN)
 
     # ------------------------------------------------------------------ submission
     def evict(self, device_blocks: Any, host_blocks: Any, *, priority: int = 0,
@@ -312,9 +752,17 @@ class TransferClient:
         ``backup_keys`` (write-through to storage): also back the host blocks up under
         these keys; the backup runs after the evict on every rank (hazard ordering)
         and its future is the returned future's ``backup``."""
-        fut = self._transfer(TransferSpec(Op.EVICT, device_blocks, host_blocks, priority))
+        dev, host, prio, _ = self._check(TransferSpec(Op.EVICT, device_blocks, host_blocks,
+                                                      priority), self._block_limits())
+        backup = None
         if backup_keys is not None:
-            fut.backup = self.backup(host_blocks, backup_keys, priority=priority)
+            backup = self._check_storage(Op.BACKUP, host_blocks, backup_keys, priority)
+        fut, env = self._transfer_envelope(Op.EVICT, dev, host, prio, False)
+        envelopes = [env]
+        if backup is not None:
+            fut.backup, backup_env = self._storage_envelope(Op.BACKUP, *backup)
+            envelopes.append(backup_env)
+        self._submit(envelopes)
         return fut
 
     def load(self, host_blocks: Any, device_blocks: Any, *, priority: int = 0,
@@ -324,8 +772,11 @@ class TransferClient:
         ``layerwise=True``: each rank copies layer by layer and publishes progress,
         so a TP worker can start on layer 0 with ``CacheWorker.wait_layer(
         future.task_id, 0, timeout)`` before the last layer has arrived."""
-        return self._transfer(TransferSpec(Op.LOAD, device_blocks, host_blocks, priority,
-                                           layerwise))
+        checked = self._check(TransferSpec(Op.LOAD, device_blocks, host_blocks, priority,
+                                           layerwise), self._block_limits())
+        fut, env = self._transfer_envelope(Op.LOAD, *checked)
+        self._submit([env])
+        return fut
 
     # ------------------------------------------------------------------ storage tier
     def backup(self, host_blocks: Any, keys: Sequence[bytes], *,
@@ -348,30 +799,44 @@ class TransferClient:
 
     def _storage(self, op: Op, host_blocks: Any, keys: Sequence[bytes],
                  priority: int) -> TransferFuture:
-        k = as_keys(keys)
-        host = None if host_blocks is None else as_block_ids(host_blocks, "host_blocks")
-        limits = self._block_limits()
-        validate_storage(op, host, k.shape[0], limits[1] if limits else np.iinfo(np.int64).max)
-        fut = self._new_future(op)
-        if host is not None:
-            fut.blocks = (np.empty(0, dtype=host.dtype), host)
-        self._enqueue(fut, storage_message(op, fut.task_id, host, k, priority))
+        fut, env = self._storage_envelope(op, *self._check_storage(op, host_blocks, keys,
+                                                                   priority))
+        self._submit([env])
         return fut
 
+    def _check_storage(self, op: Op, host_blocks: Any, keys: Sequence[bytes],
+                       priority: int) -> tuple[np.ndarray | None, np.ndarray, int]:
+        prio = check_priority(priority)
+        k = as_keys(keys)
+        host = None if host_blocks is None else as_block_ids(host_blocks, "host_blocks")
+        validate_storage(op, host, k.shape[0], self._block_limits()[1])
+        return host, k, prio
+
+    def _storage_envelope(self, op: Op, host: np.ndarray | None, keys: np.ndarray,
+                          priority: int) -> tuple[TransferFuture, _Envelope]:
+        fut = self._new_future(op)
+        return fut, _Envelope(fut, storage_message(op, fut.task_id, host, keys, priority))
+
     def submit_batch(self, tasks: Sequence["TransferSpec"]) -> list[TransferFuture]:
-        """Submit many tasks in one message per rank; one future per task, in order.
-        Every task is validated before anything is sent."""
-        items = [self._check(t) for t in tasks]
-        if not items:
-            return []
+        """Submit many tasks; one future per task, in order.  Every task is validated
+        before anything is sent.  Tasks travel in ``batch`` messages of at most
+        :data:`BATCH_CHUNK` tasks each (a longer list becomes several messages, sent
+        in order), well within the protocol's ``MAX_BATCH_TASKS`` and the client's
+        flow-control window, so any number of tasks is answered."""
+        if isinstance(tasks, (str, bytes)) or not isinstance(tasks, Sequence):
+            raise InvalidTask(f"tasks must be a sequence of TransferSpec, got "
+                              f"{type(tasks).__name__}", ErrorCode.BAD_FIELD)
+        limits = self._block_limits()
+        checked = [self._check(t, limits, f"tasks[{i}]") for i, t in enumerate(tasks)]
         futures = [self._new_future(t.op) for t in tasks]
-        batch = [BatchItem(f.task_id, t.op, dev, host, t.priority, t.layerwise)
-                 for f, t, (dev, host) in zip(futures, tasks, items)]
-        carrier = self._new_future(Op.BATCH)
-        for f in futures:
-            f.batch_id = carrier.task_id
-        carrier.add_done_callback(lambda c: self._fail_batch(c, futures))
-        self._enqueue(carrier, batch_message(carrier.task_id, batch), extra=futures)
+        envelopes = []
+        for lo in range(0, len(futures), BATCH_CHUNK):
+            chunk = range(lo, min(lo + BATCH_CHUNK, len(futures)))
+            items = tuple(BatchItem(futures[i].task_id, tasks[i].op, *checked[i]) for i in chunk)
+            carrier = self._new_future(Op.BATCH)
+            envelopes.append(_Envelope(carrier, batch_message(carrier.task_id, items),
+                                       tuple(futures[i] for i in chunk), items))
+        self._submit(envelopes)
         return futures
 
     def submit_swap(self, evict: tuple[Any, Any], load: tuple[Any, Any],
@@ -382,33 +847,24 @@ class TransferClient:
         still runs them in order wherever their blocks overlap.
         ``write_back``: the load is submitted only once the evict has completed on
         every rank; if the evict fails the load is never sent and its future fails
-        with CANCELLED.
+        with CANCELLED.  Both are checked before either is submitted.
         """
-        ev = TransferSpec(Op.EVICT, evict[0], evict[1])
-        ld = TransferSpec(Op.LOAD, load[1], load[0])
-        if policy == "write_through":
-            return self._transfer(ev), self._transfer(ld)
-        if policy != "write_back":
-            raise ValueError(f"policy must be write_through or write_back, got {policy!r}")
-        dev, host = self._check(ld)
-        ev_fut = self._transfer(ev)
-        ld_fut = self._new_future(Op.LOAD)
-        ld_fut.blocks = (dev, host)
-
-        def after_evict(done: TransferFuture) -> None:
-            err = done._error
-            if err is None:
-                ld_fut.deadline = time.monotonic() + self.task_timeout  # counts from sending
-                self._enqueue(ld_fut, transfer_message(Op.LOAD, ld_fut.task_id, dev, host))
-                return
-            self._pending.pop(ld_fut.task_id, None)
-            ld_fut._finish(error=TransferFailed(ld_fut.task_id, "load", [
-                RankFailure(r, ErrorCode.CANCELLED,
-                            f"not submitted: write-back evict {done.task_id} failed ({err})")
-                for r in ld_fut.ranks]))
-
-        self._pending[ld_fut.task_id] = ld_fut
-        ev_fut.add_done_callback(after_evict)
+        if policy not in _POLICIES:
+            raise InvalidTask(f"policy must be one of {', '.join(_POLICIES)}, got {policy!r:.60}")
+        for what, pair in (("evict", evict), ("load", load)):
+            if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+                order = "(device_blocks, host_blocks)" if what == "evict" else \
+                    "(host_blocks, device_blocks)"
+                raise InvalidTask(f"{what} must be a pair {order}, got {type(pair).__name__}",
+                                  ErrorCode.BAD_FIELD)
+        limits = self._block_limits()
+        ev_checked = self._check(TransferSpec(Op.EVICT, evict[0], evict[1]), limits, "evict")
+        ld_checked = self._check(TransferSpec(Op.LOAD, load[1], load[0]), limits, "load")
+        ev_fut, ev_env = self._transfer_envelope(Op.EVICT, *ev_checked)
+        ld_fut, ld_env = self._transfer_envelope(Op.LOAD, *ld_checked)
+        if policy == "write_back":
+            ld_env.after = ev_fut
+        self._submit([ev_env, ld_env])
         return ev_fut, ld_fut
 
     def ping(self) -> TransferFuture:
@@ -434,7 +890,8 @@ class TransferClient:
         its host swap pool if ``free_host``), and reports CLEARED through the shm
         barrier; the future completes when every rank has.  Transfers meanwhile
         get code CLEARED."""
-        return self._control(Op.CLEAR, {"free_host": True} if free_host else None)
+        free = check_flag(free_host, "free_host")
+        return self._control(Op.CLEAR, {"free_host": True} if free else None)
 
     def restore_caches(self) -> TransferFuture:
         """After :meth:`clear_caches`: every rank accepts a new register.  Then each
@@ -444,86 +901,94 @@ class TransferClient:
 
     def _control(self, op: Op, fields: dict | None = None) -> TransferFuture:
         fut = self._new_future(op)
-        self._enqueue(fut, Message(request_header(op, fut.task_id, fields), []))
+        self._submit([_Envelope(fut, Message(request_header(op, fut.task_id, fields), []))])
         return fut
 
     def _cancel(self, target: TransferFuture) -> TransferFuture:
         return self._control(Op.CANCEL, {"target": target.task_id})
 
-    def _check(self, spec: "TransferSpec") -> tuple[np.ndarray, np.ndarray]:
-        dev = as_block_ids(spec.device_blocks, "device_blocks")
-        host = as_block_ids(spec.host_blocks, "host_blocks")
-        limits = self._block_limits()
-        big = np.iinfo(np.int64).max
-        validate_transfer(spec.op, dev, host, *(limits or (big, big)))
-        if spec.layerwise and spec.op is not Op.LOAD:
-            raise InvalidTask("layerwise applies to load only", ErrorCode.BAD_FIELD)
-        return dev, host
+    def _check(self, spec: Any, limits: tuple[int, int], what: str = ""
+               ) -> tuple[np.ndarray, np.ndarray, int, bool]:
+        """Every field of one evict/load: ids, ranges, duplicates, priority, layerwise.
+        Returns (device ids, host ids, priority, layerwise) ready for the wire."""
+        where = f"{what}: " if what else ""
+        if not isinstance(spec, TransferSpec):
+            raise InvalidTask(f"{where}expected a TransferSpec (TransferSpec.evict(...) or "
+                              f".load(...)), got {type(spec).__name__}", ErrorCode.BAD_FIELD)
+        if not isinstance(spec.op, Op) or spec.op not in (Op.EVICT, Op.LOAD):
+            raise InvalidTask(f"{where}op must be evict or load, got {spec.op!r:.40}",
+                              ErrorCode.BAD_FIELD)
+        try:
+            dev = as_block_ids(spec.device_blocks, "device_blocks")
+            host = as_block_ids(spec.host_blocks, "host_blocks")
+            validate_transfer(spec.op, dev, host, *limits)
+            priority = check_priority(spec.priority)
+            layerwise = check_flag(spec.layerwise, "layerwise")
+        except InvalidTask as exc:
+            if not where:
+                raise
+            raise InvalidTask(where + exc.message, exc.code) from None
+        if layerwise and spec.op is not Op.LOAD:
+            raise InvalidTask(f"{where}layerwise applies to load only", ErrorCode.BAD_FIELD)
+        return dev, host, priority, layerwise
 
-    def _transfer(self, spec: "TransferSpec") -> TransferFuture:
-        dev, host = self._check(spec)
-        fut = self._new_future(spec.op)
-        fut.blocks = (dev, host)
-        self._enqueue(fut, transfer_message(spec.op, fut.task_id, dev, host, spec.priority,
-                                            spec.layerwise))
-        return fut
+    def _transfer_envelope(self, op: Op, dev: np.ndarray, host: np.ndarray, priority: int,
+                           layerwise: bool) -> tuple[TransferFuture, _Envelope]:
+        fut = self._new_future(op)
+        return fut, _Envelope(fut, transfer_message(op, fut.task_id, dev, host, priority,
+                                                    layerwise))
 
     def _new_future(self, op: Op) -> TransferFuture:
-        if self._closed:
-            raise KvswapError("TransferClient is closed", ErrorCode.SHUTTING_DOWN)
         return TransferFuture(next(self._ids), op, range(self.tp_size),
                               time.monotonic() + self.task_timeout, self)
 
-    def _enqueue(self, fut: TransferFuture, message: Message,
-                 extra: Sequence[TransferFuture] = ()) -> None:
-        """Register ``fut`` (and the futures of a batch's tasks) and hand the message
-        to the I/O thread, which sends it to every rank in enqueue order."""
-        fut.message = message
-        for f in extra:
-            self._pending[f.task_id] = f
-        self._pending[fut.task_id] = fut
-        self._outbox.append((fut, extra))
-        self._wake()
+    def _submit(self, envelopes: Sequence[_Envelope]) -> None:
+        """Hand envelopes to the I/O thread, which first sends them in this order.
 
-    def _fail_batch(self, carrier: TransferFuture, futures: Sequence[TransferFuture]) -> None:
-        """A batch refused whole by a rank: its tasks will get no reply of their own."""
-        err = carrier._error
-        if err is None:
-            return
-        refused = (err.failures if isinstance(err, TransferFailed)
-                   else [RankFailure(r, err.code, err.message) for r in carrier.ranks])
-        for f in futures:
-            if self._pending.pop(f.task_id, None) is not None:
-                f._finish(error=TransferFailed(f.task_id, f.op.value, [
-                    RankFailure(x.rank, x.code, f"batch {carrier.task_id} refused: {x.message}")
-                    for x in refused]))
+        The wake-up is skipped while one is pending: the I/O thread clears
+        ``_wake_pending`` *before* it drains the outbox, so an envelope appended
+        before that is drained, and one appended after finds the flag clear and
+        sends a new wake-up."""
+        with self._lock:
+            self._check_open()
+            self._outbox.extend(envelopes)
+            self._wake_locked()
 
-    def _wake(self) -> None:
-        """Make the I/O thread drain the outbox.  Skipped while a wake-up is already
-        pending: the I/O thread clears ``_wake_pending`` *before* it drains, so an
-        item appended before that is drained, and one appended after finds the flag
-        clear and sends a new wake-up."""
+    def _wake_locked(self) -> None:
         if self._wake_pending:
             return
-        with self._wake_lock:
-            self._wake_pending = True
-            try:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # the PAIR already holds a wake-up
+        self._wake_pending = True
+        try:
+            self._wake_tx.send(b"", zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the PAIR already holds a wake-up
 
     # ------------------------------------------------------------------ I/O thread
+    def _transmit(self, frames: list, ranks: Sequence[int]) -> None:
+        if self._secret is not None:
+            frames = sign(self._secret, frames)
+        for r in ranks:
+            self._dealers[r].send_multipart(frames, copy=False)
+
     def _io_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._wake_rx, zmq.POLLIN)
         for s in self._dealers:
             poller.register(s, zmq.POLLIN)
-        while True:
+        try:
+            while not self._io_step(poller):
+                pass
+        finally:
+            self._io_teardown()
+
+    def _io_step(self, poller: zmq.Poller) -> bool:
+        """One round of the I/O loop; True once the client is closed and drained."""
+        try:
             timeout_ms = None
-            if self._deadlines:
-                timeout_ms = max(0, int((self._deadlines[0][0] - time.monotonic()) * 1000) + 1)
-            if self._pending or self._frozen:
-                # watch for rank restarts while anything is outstanding
+            deadline = self._io.next_deadline()
+            if deadline is not None:
+                timeout_ms = max(0, int((deadline - time.monotonic()) * 1000) + 1)
+            if self._io.busy():  # watch for rank restarts while anything is outstanding
                 timeout_ms = min(timeout_ms if timeout_ms is not None else _WATCH_MS, _WATCH_MS)
             events = dict(poller.poll(timeout_ms))
             if self._wake_rx in events:
@@ -533,83 +998,21 @@ class TransferClient:
                     except zmq.Again:
                         break
             self._wake_pending = False
-            self._watch_ranks()
-            self._send_outbox()
+            closed = self._closed
+            if closed:
+                self._io.close()
+            self._io.watch()
+            while self._outbox:
+                self._io.post(self._outbox.popleft())
             for s in self._dealers:
                 if s in events:
                     self._drain_replies(s)
-            self._expire()
-            if self._closed:
-                break
-        for fut in list(self._pending.values()):
-            fut._finish(error=KvswapError(f"task {fut.task_id} ({fut.op.value}): client closed",
-                                          ErrorCode.SHUTTING_DOWN))
-        self._pending.clear()
-        for s in (*self._dealers, self._wake_rx):
-            s.close()
-
-    def _send(self, fut: TransferFuture, ranks: Sequence[int], re: bool = False) -> None:
-        assert fut.message is not None
-        if "cs" not in fut.message.header:
-            fut.message.header.update(cid=self._cid, cs=next(self._cs))
-        fut.message.header["re"] = re
-        epochs = self._epochs if fut.message.epoch_stamped else None
-        if self._secret is None:
-            frames = fut.message.frames(epochs)
-        else:  # signed, with a fresh timestamp: a re-send is a new message, not a replay
-            frames = sign(self._secret, fut.message.frames(epochs, ts=time.time_ns()))
-        for r in ranks:
-            self._dealers[r].send_multipart(frames, copy=False)
-
-    def _send_outbox(self) -> None:
-        while self._outbox:
-            fut, extra = self._outbox.popleft()
-            for f in (fut, *extra):
-                heapq.heappush(self._deadlines, (f.deadline, f.task_id))
-            for r in self._frozen.intersection(fut.ranks):
-                self._held[r].append(fut)
-            self._send(fut, [r for r in fut.ranks if r not in self._frozen])
-
-    # ------------------------------------------------------------------ restarts
-    def _watch_ranks(self) -> None:
-        """Notice restarted ranks (a new epoch in the signal segment); once such a rank
-        is READY again, re-send what it never answered, then what was held back."""
-        for r in range(self.tp_size):
-            epoch = int(self.seg.ranks[r, R.EPOCH])
-            if epoch != self._epochs[r] and r not in self._frozen:
-                log.warning("rank %d restarted (epoch %d -> %d); holding its traffic until it "
-                            "is READY", r, self._epochs[r], epoch)
-                self._frozen.add(r)
-            if r in self._frozen and self.seg.state_of(r) == RankState.READY:
-                self._epochs[r] = epoch
-                self._frozen.discard(r)
-                self._resend_after_restart(r)
-
-    def _resend_after_restart(self, r: int) -> None:
-        held = {f.task_id for f in self._held[r]}
-        lost = sorted((f for f in self._pending.values()
-                       if r in f.ranks and r not in f._replies and f.task_id not in held),
-                      key=lambda f: f.task_id)
-        resent_batches = {f.task_id for f in lost if f.op is Op.BATCH
-                          and r not in f.retried}
-        for fut in lost:
-            if fut.batch_id in resent_batches:
-                continue  # travels again inside its re-sent batch message
-            if fut.message is None:  # a task of a batch: its batch message was answered
-                why = "its batch was accepted before the restart"
-            else:
-                fut.retried.add(r)
-                self.retried += 1
-                self._send(fut, [r], re=True)
-                continue
-            if fut._on_reply(Reply(fut.task_id, r, False, ErrorCode.RANK_RESTARTED,
-                                   f"rank {r} restarted with task {fut.task_id} in flight; "
-                                   f"not retried: {why}")):
-                self._pending.pop(fut.task_id, None)
-        for fut in self._held[r]:
-            if fut.task_id in self._pending:
-                self._send(fut, [r])
-        self._held[r] = []
+            self._io.expire(time.monotonic())
+            self._io.pump()
+            return closed
+        except Exception:  # nothing above is expected to raise: each unit guards itself
+            log.exception("client I/O thread: unexpected error outside any task; continuing")
+            return self._closed
 
     def _drain_replies(self, sock: zmq.Socket) -> None:
         while True:
@@ -624,39 +1027,39 @@ class TransferClient:
             except KvswapError as exc:
                 log.warning("dropping bad reply: %s", exc)
                 continue
-            if reply.code == ErrorCode.RANK_RESTARTED:
-                continue  # addressed to a dead incarnation: _watch_ranks re-sends it
-            fut = self._pending.get(reply.id) if isinstance(reply.id, int) else None
-            if fut is None:
-                log.debug("reply for unknown task %r from rank %d", reply.id, reply.rank)
-                continue
-            if fut._on_reply(reply):
-                del self._pending[reply.id]
+            self._io.on_reply(reply)
 
-    def _expire(self) -> None:
-        now = time.monotonic()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, tid = heapq.heappop(self._deadlines)
-            fut = self._pending.pop(tid, None)
-            if fut is None:
-                continue
-            missing = fut.missing_ranks()
-            detail = "; ".join(self._describe(r) for r in missing)
-            fut._finish(error=RankTimeout(
-                f"task {tid} ({fut.op.value}) not acknowledged within {self.task_timeout:.1f}s "
-                f"by {len(missing)} rank(s): {detail}"))
+    def _io_teardown(self) -> None:
+        """Last act of the I/O thread: fail what is left, close its sockets, end the
+        context (every socket has LINGER 0, so term() returns at once)."""
+        self._io.close()
+        for s in (*self._dealers, self._wake_rx):
+            s.close(linger=0)
+        with self._lock:
+            self._wake_tx.close(linger=0)
+        self._ctx.term()
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Stop the I/O thread; pending futures fail with SHUTTING_DOWN."""
-        if self._closed:
+        """Stop the I/O thread; pending futures fail with SHUTTING_DOWN.
+
+        Never hangs: the I/O thread is joined for at most 10 s.  If it is still
+        inside a done-callback by then (or close() is called from one), it
+        finishes the teardown itself when the callback returns, and the signal
+        segment is left to the garbage collector."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._wake_locked()
+        if threading.current_thread() is self._thread:
             return
-        self._closed = True
-        self._wake()
-        self._thread.join(timeout=10)
-        with self._wake_lock:
-            self._wake_tx.close()
-        self._ctx.term()
+        self._thread.join(timeout=_CLOSE_JOIN_S)
+        if self._thread.is_alive():
+            log.warning("TransferClient.close(): the I/O thread is still busy after %.0fs "
+                        "(a slow done-callback?); it tears down when that returns",
+                        _CLOSE_JOIN_S)
+            return
         self.seg.close()
 
     def __enter__(self) -> "TransferClient":

@@ -19,7 +19,6 @@ from kvswap.client import (
     CacheTensor,
     CacheWorker,
     ErrorCode,
-    RankRestarted,
     TransferClient,
     TransferFailed,
 )
@@ -147,30 +146,27 @@ def test_kill_9_under_load_loses_nothing(namespaces):
             v.close()
 
 
-def test_silent_daemon_is_replaced_and_overlapping_inflight_tasks_are_resent(namespaces):
-    """A SIGSTOPped daemon is killed and replaced; every task it never answered is re-sent
-    in order, overlapping ones included (the completion journal makes that safe), and
-    the load sees the evict's bytes."""
+def test_silent_daemon_is_replaced_and_every_inflight_task_is_resent_in_order(namespaces):
+    """Tasks the silent daemon never answered, overlapping ones included, are re-sent
+    to its successor in their first-send order (protocol 1.4: marked ``re``)."""
     launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=HOST,
                                  supervision=SupervisorConfig(stale_after_s=1.0, backoff_s=0.05))
     tensors = [TensorDesc(t.name, t.layer, t.dtype, t.shape) for t in demo_layout(LAYOUT)]
     view = RankView(launcher.names, 0, tensors, HOST)
+    for ti, t in enumerate(tensors):
+        view.device[ti][:] = pattern(0, ti, np.arange(1, 65), t.bytes_per_block // 8)
     client = _client(launcher, task_timeout=30)
     try:
-        words = [t.bytes_per_block // 8 for t in tensors]
-        for ti in range(len(tensors)):
-            view.device[ti][[1, 2]] = pattern(0, ti, np.array([11, 12]), words[ti])
         with Supervising(launcher):
             os.kill(launcher.procs[0].pid, signal.SIGSTOP)  # silent, not dead
             a = client.evict([1, 2], [1, 2])
-            b = client.load([2], [5])  # reads host block 2, which a writes
-            c = client.evict([9], [9])
-            for fut in (a, b, c):
-                assert fut.result(30).replies[0].ok
-        for ti in range(len(tensors)):
-            assert np.array_equal(view.device[ti][[5]], pattern(0, ti, np.array([12]), words[ti]))
+            b = client.load([2], [5])  # overlaps a (host block 2): must run after it
+            c = client.evict([9], [9])  # independent
+            assert all(f.result(30).replies[0].ok for f in (a, b, c))
         assert int(launcher.seg.ranks[0, R.EPOCH]) == 2
         assert client.retried == 3
+        for ti in range(len(tensors)):  # b loaded what a evicted: device block 5 = block 2
+            assert np.array_equal(view.device[ti][5], view.device[ti][2])
         assert client.evict([3], [3]).result(10).replies[0].ok
     finally:
         client.close()

@@ -1,0 +1,622 @@
+"""Client robustness: bad arguments cost one call, batches of any size, arrays that
+outlive their worker, an I/O thread that survives its own bugs and concurrent
+restarts, and the client half of exactly-once re-sends (cid / cs / re).
+
+The re-send rules are tested on the I/O thread's state (``_Dispatcher``) with a
+fake wire, deterministically; the end-to-end tests run real daemons."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvswap.client import (
+    ErrorCode,
+    InvalidTask,
+    KvswapError,
+    RankRestarted,
+    TransferClient,
+    TransferFailed,
+    TransferSpec,
+)
+from kvswap.client import transfer_client as tc
+from kvswap.client.errors import ProtocolError
+from kvswap.client.protocol import (
+    MAX_FRAMES,
+    MAX_HEADER_BYTES,
+    BatchItem,
+    Message,
+    Op,
+    Reply,
+    batch_message,
+    request_header,
+    transfer_message,
+)
+from kvswap.client.signals import R, RankState, poll_until
+from kvswap.client.transfer_client import TransferFuture, _Dispatcher, _Envelope
+from kvswap.daemon.supervisor import SupervisorConfig
+
+from conftest import SMALL_LAYOUT, wait_for_state
+from test_faults import Supervising
+
+KEY = b"k" * 32
+
+
+def _client(launcher, **kw) -> TransferClient:
+    c = TransferClient(launcher.names.namespace, launcher.cfg.tp,
+                       run_root=str(launcher.names.run_root), **kw)
+    c.wait_ready(20)
+    return c
+
+
+def _until(pred, timeout: float, what: str) -> None:
+    assert poll_until(lambda: True if pred() else None, time.monotonic() + timeout), \
+        f"timed out waiting for {what}"
+
+
+# ================================================================== Task A: bad input
+
+
+def test_every_bad_argument_raises_in_the_caller_and_sends_nothing(namespaces):
+    """priority=2**64 used to kill the I/O thread (msgpack cannot pack it) and hang
+    every later call; now each bad argument raises InvalidTask (a ValueError) that
+    names it, before any future exists, and the client is unharmed."""
+    launcher = namespaces.launch(tp=2, demo_caches=SMALL_LAYOUT)  # 32 blocks a side
+    client = _client(launcher)
+    ok_evict = TransferSpec.evict([1], [1])
+    cases = [
+        (lambda: client.evict([1], [1], priority=2**64), "priority 18446744073709551616 is out"),
+        (lambda: client.evict([1], [1], priority=-2**63 - 1), "priority -9223372036854775809"),
+        (lambda: client.evict([1], [1], priority=True), "priority must be an int"),
+        (lambda: client.load([1], [1], priority=1.5), "priority must be an int"),
+        (lambda: client.backup([1], [KEY], priority="3"), "priority must be an int"),
+        (lambda: client.load([1], [1], layerwise=1), "layerwise must be True or False"),
+        (lambda: client.evict([[1], [2, 3]], [1]), "device_blocks must be a 1-D"),
+        (lambda: client.evict([1], [1], backup_keys=[b"short"]), r"keys\[0\] must be 32 bytes"),
+        (lambda: client.backup([1], KEY), "got one bytes"),
+        (lambda: client.prefetch(None, [1]), "keys must be a sequence"),
+        (lambda: client.exists([KEY[:31]]), r"keys\[0\] must be 32 bytes"),
+        (lambda: client.submit_batch([ok_evict, TransferSpec.evict([2], [2], priority=2**70)]),
+         r"tasks\[1\]: priority"),
+        (lambda: client.submit_batch([ok_evict, "evict"]), r"tasks\[1\]: expected a TransferSpec"),
+        (lambda: client.submit_batch(ok_evict), "tasks must be a sequence"),
+        (lambda: client.submit_batch([TransferSpec(Op.PING, [1], [1])]), "op must be evict or"),
+        (lambda: client.submit_batch([TransferSpec.load([1], [1], layerwise=None)]),
+         r"tasks\[0\]: layerwise must be True or False"),
+        (lambda: client.submit_swap(([1], [1]), ([2], [2]), policy="sometimes"), "policy must"),
+        (lambda: client.submit_swap(([1], [1]), ([2], [2, 2])), "load: "),  # evict not sent
+        (lambda: client.submit_swap([1], ([2], [2])), r"evict must be a pair"),
+        (lambda: client.clear_caches(free_host="yes"), "free_host must be True or False"),
+        (lambda: client.wait_ready(timeout=float("nan")), "timeout must be finite"),
+        (lambda: TransferClient(launcher.names.namespace, 2, run_root=str(
+            launcher.names.run_root), task_timeout=0), "task_timeout must be finite and > 0"),
+        (lambda: TransferClient(launcher.names.namespace, True), "tp_size must be an int"),
+    ]
+    try:
+        for call, match in cases:
+            with pytest.raises(InvalidTask, match=match) as ei:
+                call()
+            assert isinstance(ei.value, ValueError)
+        assert launcher.seg.ranks[:, R.COMPLETED].tolist() == [0, 0]  # nothing was sent
+        assert launcher.seg.ranks[:, R.FAILED].tolist() == [0, 0]
+        # the bounds themselves pass through msgpack and the daemons
+        extremes = [client.evict([2], [2], priority=2**63 - 1),
+                    client.load([2], [3], priority=-2**63, layerwise=np.bool_(True)),
+                    client.evict([4], [4], priority=np.int64(5))]
+        assert all(f.result(10).replies[1].ok for f in extremes)
+        fut = client.evict([5], [5])
+        with pytest.raises(InvalidTask, match="timeout must be finite and >= 0"):
+            fut.result(timeout=-1)
+        assert fut.result(10)
+    finally:
+        t0 = time.monotonic()
+        client.close()
+        assert time.monotonic() - t0 < 5
+
+
+def test_close_returns_while_the_io_thread_is_stuck_in_a_callback(namespaces, monkeypatch):
+    """close() used to join for 10 s and then block for ever in zmq's term() while the
+    I/O thread still had its sockets open; now it returns after its bounded join and
+    the I/O thread tears down when the callback returns."""
+    monkeypatch.setattr(tc, "_CLOSE_JOIN_S", 0.3)
+    launcher = namespaces.launch(tp=1, demo_caches=SMALL_LAYOUT)
+    client = _client(launcher)
+    entered, release = threading.Event(), threading.Event()
+    pid = launcher.procs[0].pid
+    os.kill(pid, signal.SIGSTOP)  # so the callback is added before the task completes
+    try:
+        fut = client.evict([1], [1])
+        fut.add_done_callback(lambda f: (entered.set(), release.wait(30)))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    try:
+        assert entered.wait(10)
+        t0 = time.monotonic()
+        client.close()
+        assert time.monotonic() - t0 < 3
+        assert client._thread.is_alive()  # still inside the callback
+        with pytest.raises(KvswapError) as ei:
+            client.evict([2], [2])
+        assert ei.value.code == ErrorCode.SHUTTING_DOWN
+    finally:
+        release.set()
+    client._thread.join(10)
+    assert not client._thread.is_alive()
+    assert client._ctx.closed  # the I/O thread ended the context itself
+
+
+def test_a_batch_of_45000_tasks_is_answered_promptly(namespaces):
+    """One batch message of 45,000 tasks used to exceed the daemon's header limit: it
+    was refused with request id nil and every future waited for its deadline."""
+    launcher = namespaces.launch(tp=1, demo_caches="layers=2,block_tokens=4,heads=2,"
+                                 "head_dim=8,blocks=1024", host_blocks=1024)
+    client = _client(launcher, task_timeout=60)
+    try:
+        specs = [TransferSpec.evict([i % 1024], [(7 * i) % 1024]) for i in range(45000)]
+        t0 = time.monotonic()
+        futs = client.submit_batch(specs)
+        results = [f.result() for f in futs]
+        elapsed = time.monotonic() - t0
+        assert [r.task_id for r in results] == [f.task_id for f in futs]
+        assert all(r.replies[0].ok for r in results)
+        assert int(launcher.seg.ranks[0, R.COMPLETED]) == 45000
+        assert elapsed < 30, f"45,000 tasks took {elapsed:.1f}s"
+        print(f"\n45,000 one-block tasks in one submit_batch: {elapsed:.2f}s")
+    finally:
+        client.close()
+
+
+def test_an_oversized_message_fails_at_once_not_at_its_deadline(namespaces, monkeypatch):
+    """A message a daemon would refuse without being able to name it is refused by the
+    client before sending, with MESSAGE_TOO_LARGE on every future it carries."""
+    monkeypatch.setattr(tc, "BATCH_CHUNK", 10**6)  # defeat the split: one message
+    launcher = namespaces.launch(tp=1, demo_caches="layers=2,block_tokens=4,heads=2,"
+                                 "head_dim=8,blocks=1024", host_blocks=1024)
+    client = _client(launcher, task_timeout=60)
+    try:
+        t0 = time.monotonic()
+        futs = client.submit_batch([TransferSpec.evict([i % 1024], [i % 1024])
+                                    for i in range(45000)])
+        for f in futs:
+            with pytest.raises(TransferFailed) as ei:
+                f.result()
+            assert ei.value.code == ErrorCode.MESSAGE_TOO_LARGE
+        assert "exceeds the limits of one message" in str(ei.value)
+        assert time.monotonic() - t0 < 20  # not the 60 s deadline
+        assert int(launcher.seg.ranks[0, R.FAILED]) == 0  # never reached the daemon
+        assert client.evict([1], [1]).result(10)
+    finally:
+        client.close()
+
+
+def test_message_bounds_are_checked_when_frames_are_built():
+    big = Message(request_header(Op.PING, 1, {"pad": "x" * MAX_HEADER_BYTES}), [])
+    with pytest.raises(ProtocolError) as ei:
+        big.frames()
+    assert ei.value.code == ErrorCode.MESSAGE_TOO_LARGE
+    many = Message(request_header(Op.PING, 2), [b""] * MAX_FRAMES)
+    with pytest.raises(ProtocolError, match=f"{MAX_FRAMES + 1} frames"):
+        many.frames()
+    assert len(Message(request_header(Op.PING, 3), [b""] * (MAX_FRAMES - 1)).frames()) == \
+        MAX_FRAMES
+
+
+# ------------------------------------------------------------------ CacheWorker arrays
+
+_READ_AFTER_CLOSE = textwrap.dedent("""
+    import gc, sys
+    import numpy as np
+    from kvswap.client import CacheWorker
+
+    ns, root = sys.argv[1], sys.argv[2]
+
+    def mapped(name):
+        with open("/proc/self/maps") as f:
+            return any(name.lstrip("/") in line for line in f)
+
+    w = CacheWorker(ns, 0, run_root=root)
+    arr = w.alloc_host_tensor("k0", (16, 1024), "uint8")
+    seg = w.names.device_segment(0, "k0")
+    view = arr[3:5]
+    arr[:] = 7
+    w.close()
+    print("after close", int(arr.sum()), int(view[0, 0]), mapped(seg), flush=True)
+    view[1, 2] = 9  # still writable memory, not a dangling pointer
+    del arr
+    gc.collect()
+    print("view only", int(view.sum()), mapped(seg), flush=True)
+    del view
+    gc.collect()
+    print("dropped", mapped(seg), flush=True)
+""")
+
+
+def test_host_tensor_stays_mapped_until_its_last_array_is_dropped(namespaces):
+    """Reading an alloc_host_tensor array after CacheWorker.close() used to SIGSEGV the
+    process: the array kept no hold on the mapping that close() unmapped."""
+    launcher = namespaces.launch(tp=1, demo_caches=None, wait=False)
+    wait_for_state(launcher, RankState.ATTACHING)
+    names = launcher.names
+    out = subprocess.run([sys.executable, "-c", _READ_AFTER_CLOSE, names.namespace,
+                          str(names.run_root)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"rc {out.returncode} (-11 is SIGSEGV): {out.stdout}{out.stderr}"
+    assert out.stdout.splitlines() == [
+        f"after close {7 * 16 * 1024} 7 True",
+        f"view only {7 * 2 * 1024 + 2} True",  # the view alone keeps the mapping
+        "dropped False",  # unmapped once no array refers to it
+    ]
+    assert not [e for e in names.owned_shm() if ".dev." in e]  # close() unlinked it all the same
+
+
+# ================================================================== Task B: the I/O thread
+
+
+def test_io_thread_survives_an_unexpected_error(namespaces, monkeypatch, caplog):
+    """An exception on the I/O thread used to end it, and every future then hung until
+    its deadline; now it fails the one task it hit with INTERNAL_ERROR."""
+    launcher = namespaces.launch(tp=1, demo_caches=SMALL_LAYOUT)
+    client = _client(launcher, task_timeout=20)
+    real = TransferFuture._on_reply
+
+    def poisoned(self, reply):
+        if self.op is Op.LOAD:
+            raise RuntimeError("injected fault")
+        return real(self, reply)
+
+    try:
+        monkeypatch.setattr(TransferFuture, "_on_reply", poisoned)
+        t0 = time.monotonic()
+        a, b, c = client.evict([1], [1]), client.load([1], [2]), client.evict([3], [3])
+        with pytest.raises(KvswapError, match="injected fault") as ei:
+            b.result()
+        assert ei.value.code == ErrorCode.INTERNAL_ERROR
+        assert a.result(10) and c.result(10)
+        assert time.monotonic() - t0 < 10
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR
+                  and r.name == "kvswap.client"]
+        assert len(errors) == 1 and errors[0].exc_info is not None
+        monkeypatch.undo()
+        assert client._thread.is_alive() and client.load([1], [2]).result(10)
+    finally:
+        client.close()
+
+
+def test_concurrent_submitters_survive_repeated_kill_9(namespaces, monkeypatch, caplog):
+    """Eight threads submit evicts, loads, batches and write-back swaps (overlapping
+    blocks) while one rank's daemon is SIGKILLed and restarted three times.  Every
+    future resolves by its deadline, with no error: what a dead daemon never
+    answered is re-sent to its successor.  The I/O thread raises nothing."""
+    thread_errors: list = []
+    monkeypatch.setattr(threading, "excepthook", thread_errors.append)
+    caplog.set_level(logging.WARNING, logger="kvswap.client")
+    launcher = namespaces.launch(tp=2, demo_caches=SMALL_LAYOUT, host_blocks=32,
+                                 supervision=SupervisorConfig(backoff_s=0.05))
+    client = _client(launcher, task_timeout=20)
+    futures: list[TransferFuture] = []
+    raised: list[BaseException] = []
+    stop = threading.Event()
+
+    def submitter(seed: int) -> None:
+        rng = random.Random(seed)
+        mine: list[TransferFuture] = []
+        try:
+            while not stop.is_set():
+                dev, host = rng.sample(range(32), 3), rng.sample(range(32), 3)
+                kind = rng.random()
+                if kind < 0.4:
+                    new = [client.evict(dev, host, priority=rng.randint(-2, 2))]
+                elif kind < 0.8:
+                    new = [client.load(host, dev, layerwise=rng.random() < 0.2)]
+                elif kind < 0.9:
+                    new = client.submit_batch([TransferSpec.evict(dev[:1], host[:1]),
+                                               TransferSpec.load(host[1:], dev[1:])])
+                else:
+                    new = list(client.submit_swap((dev[:1], host[:1]), (host[1:2], dev[1:2]),
+                                                  policy="write_back"))
+                futures.extend(new)
+                mine.extend(new)
+                while len(mine) > 8:
+                    mine.pop(0).exception(30)
+        except BaseException as exc:  # the test fails on anything a submitter sees
+            raised.append(exc)
+
+    threads = [threading.Thread(target=submitter, args=(i,)) for i in range(8)]
+    kills = 0
+    try:
+        with Supervising(launcher) as sup:
+            for t in threads:
+                t.start()
+            for kill in range(3):
+                rank = kill % 2
+                target = len(futures) + 150
+                _until(lambda: len(futures) >= target, 30, "submissions")
+                epoch = int(launcher.seg.ranks[rank, R.EPOCH])
+                os.kill(launcher.procs[rank].pid, signal.SIGKILL)
+                kills += 1
+                _until(lambda: int(launcher.seg.ranks[rank, R.EPOCH]) > epoch
+                       and launcher.seg.state_of(rank) == RankState.READY, 30, "restart")
+            target = len(futures) + 150  # traffic after the last restart, too
+            _until(lambda: len(futures) >= target, 30, "submissions")
+            stop.set()
+            for t in threads:
+                t.join(60)
+            assert not sup.reasons
+        assert not raised, raised
+        last = max(f.deadline for f in futures)
+        _until(lambda: all(f.done() for f in futures), last - time.monotonic() + 2,
+               "every future")
+        errors = [f.exception(0) for f in futures]
+        assert [e for e in errors if e is not None] == []
+        assert launcher.supervisor.restarts == kills == 3
+        assert client.retried > 0 and client._thread.is_alive()
+        assert poll_until(lambda: True if client._io._owing == [0, 0] else None,
+                          time.monotonic() + 5)  # flow-control accounting balanced
+        assert not thread_errors
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert "changed size" not in caplog.text
+        print(f"\n{len(futures)} futures, {kills} kills, {client.retried} messages re-sent")
+    finally:
+        stop.set()
+        client.close()
+
+
+# ================================================================== Task C: re-sends
+
+
+class Wire:
+    """A fake transmit: what the I/O thread would send, as (rank, header, id frames)."""
+
+    def __init__(self):
+        self.sent: list[tuple[int, dict, list]] = []
+        self.fail_id: int | None = None
+
+    def __call__(self, frames, ranks):
+        header = msgpack.unpackb(frames[0], raw=False)
+        if header["id"] == self.fail_id:
+            raise RuntimeError("injected transmit fault")
+        for r in ranks:
+            self.sent.append((r, header, frames[1:]))
+
+    def take(self, rank: int | None = None) -> list[dict]:
+        """Headers sent (to ``rank``) since the last take, in send order."""
+        out = [h for r, h, _ in self.sent if rank is None or r == rank]
+        self.sent = [s for s in self.sent if rank is not None and s[0] != rank]
+        return out
+
+
+_ids = itertools.count(1000)
+
+
+class Ranks:
+    """What the signal segment would say: each rank's epoch and readiness."""
+
+    def __init__(self, tp: int):
+        self.epoch, self.ready = [1] * tp, [True] * tp
+
+    def die(self, rank: int) -> None:
+        self.epoch[rank] += 1
+        self.ready[rank] = False
+
+
+def _dispatcher(tp: int = 2) -> tuple[_Dispatcher, Wire, Ranks]:
+    wire, ranks = Wire(), Ranks(tp)
+    d = _Dispatcher(tp, 77, wire, 30.0, lambda r: ranks.epoch[r], lambda r: ranks.ready[r],
+                    lambda r: f"rank {r}")
+    return d, wire, ranks
+
+
+def _single(tp: int = 2, op: Op = Op.EVICT, block: int = 1) -> _Envelope:
+    fut = TransferFuture(next(_ids), op, range(tp), time.monotonic() + 30)
+    ids = np.array([block], "<i4")
+    return _Envelope(fut, transfer_message(op, fut.task_id, ids, ids))
+
+
+def _batch(n: int, tp: int = 2) -> _Envelope:
+    deadline = time.monotonic() + 30
+    tasks = tuple(TransferFuture(next(_ids), Op.EVICT, range(tp), deadline) for _ in range(n))
+    items = tuple(BatchItem(t.task_id, Op.EVICT, np.array([i], "<i4"), np.array([i], "<i4"))
+                  for i, t in enumerate(tasks))
+    carrier = TransferFuture(next(_ids), Op.BATCH, range(tp), deadline)
+    return _Envelope(carrier, batch_message(carrier.task_id, items), tasks, items)
+
+
+def _ok(fut: TransferFuture, rank: int) -> Reply:
+    return Reply(fut.task_id, rank, True, ErrorCode.OK, "")
+
+
+def _restart(d: _Dispatcher, ranks: Ranks, rank: int) -> None:
+    """The rank's daemon dies (the dispatcher notices the epoch), then is READY."""
+    ranks.die(rank)
+    d.watch()
+    ranks.ready[rank] = True
+    d.watch()
+    d.pump()
+
+
+def test_every_message_carries_cid_and_cs_in_first_send_order():
+    d, wire, _ = _dispatcher()
+    envs = [_single(), _batch(2), _single(op=Op.LOAD)]
+    for env in envs:
+        d.post(env)
+    for rank in (0, 1):
+        sent = wire.take(rank)
+        assert [(h["id"], h["cid"], h["cs"]) for h in sent] == [
+            (e.carrier.task_id, 77, cs) for cs, e in enumerate(envs, 1)]
+        assert all("re" not in h and h["ep"] == [1, 1] for h in sent)
+
+
+def test_restart_resends_every_unanswered_message_in_cs_order():
+    """Overlapping tasks and tasks re-sent before go again; what a frozen rank never
+    received keeps its cs and is not marked re."""
+    d, wire, ranks = _dispatcher()
+    a, b, c = _single(block=1), _single(op=Op.LOAD, block=1), _single(block=2)  # a, b overlap
+    for env in (a, b, c):
+        d.post(env)
+    d.on_reply(_ok(a.carrier, 1))
+    wire.take()
+    ranks.die(1)
+    d.watch()  # rank 1 restarted, not READY yet
+    held = _single(block=3)
+    d.post(held)
+    d.pump()
+    assert [h["cs"] for h in wire.take()] == [4]  # to rank 0 only
+    ranks.ready[1] = True
+    d.watch()
+    d.pump()
+    sent = wire.take(1)
+    assert [(h["id"], h["cs"], h.get("re", False)) for h in sent] == [
+        (b.carrier.task_id, 2, True), (c.carrier.task_id, 3, True),
+        (held.carrier.task_id, 4, False)]
+    assert all(h["ep"] == [1, 2] for h in sent) and d.retried == 2
+    _restart(d, ranks, 1)  # again, before rank 1 answered anything
+    assert [(h["cs"], h["re"]) for h in wire.take(1)] == [(2, True), (3, True), (4, True)]
+    assert d.retried == 5
+    for env in (a, b, c, held):
+        for r in (0, 1):
+            d.on_reply(_ok(env.carrier, r))
+    assert all(env.carrier.result(0) for env in (a, b, c, held))
+    assert d._owing == [0, 0]
+    _restart(d, ranks, 1)
+    assert wire.take() == []  # nothing owed any more
+
+
+def test_a_resent_batch_carries_only_the_tasks_the_rank_has_not_answered(caplog):
+    caplog.set_level(logging.DEBUG, logger="kvswap.client")
+    d, wire, ranks = _dispatcher()
+    env = _batch(4)
+    d.post(env)
+    first = wire.take()[0]
+    d.on_reply(_ok(env.carrier, 0))
+    for i in (0, 2):
+        d.on_reply(_ok(env.tasks[i], 0))
+    _restart(d, ranks, 0)
+    (again,) = wire.take(0)
+    assert again["id"] == first["id"] and again["cs"] == first["cs"] and again["re"] is True
+    assert [t["id"] for t in again["tasks"]] == [env.tasks[1].task_id, env.tasks[3].task_id]
+    assert len(wire.sent) == 0
+    d.on_reply(_ok(env.carrier, 0))  # the re-sent batch answered again: ignored quietly
+    for t in env.tasks:
+        for r in (0, 1):
+            d.on_reply(_ok(t, r))
+    d.on_reply(_ok(env.carrier, 1))
+    assert all(t.result(0).replies[0].ok for t in env.tasks)
+    assert d._owing == [0, 0]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING
+                and "reply" in r.getMessage()]
+    assert any("already answered" in r.getMessage() for r in caplog.records)
+
+
+def test_rank_restarted_replies_are_dropped_and_outcome_unknown_raises_rank_restarted():
+    d, wire, ranks = _dispatcher(tp=1)
+    env = _single(tp=1)
+    d.post(env)
+    d.on_reply(Reply(env.carrier.task_id, 0, False, ErrorCode.RANK_RESTARTED, "stale ep"))
+    assert not env.carrier.done()  # the re-send after the restart answers it
+    _restart(d, ranks, 0)
+    assert [h["re"] for h in wire.take()[1:]] == [True]
+    d.on_reply(Reply(env.carrier.task_id, 0, False, ErrorCode.OUTCOME_UNKNOWN, "no record"))
+    with pytest.raises(RankRestarted) as ei:
+        env.carrier.result(0)
+    assert ei.value.code == ErrorCode.OUTCOME_UNKNOWN
+
+
+def test_not_ready_from_a_restarted_daemon_to_a_stale_message_is_dropped():
+    """A restarted daemon still ATTACHING answers a message addressed to its dead
+    predecessor NOT_READY (it checks its state before the stamp): that reply is
+    dropped like RANK_RESTARTED.  NOT_READY to a message sent to the rank's current
+    epoch is a real answer."""
+    d, wire, ranks = _dispatcher()
+    stale = _single()
+    d.post(stale)
+    ranks.die(0)  # the successor runs (epoch 2) before the client has looked
+    d.on_reply(Reply(stale.carrier.task_id, 0, False, ErrorCode.NOT_READY, "ATTACHING"))
+    assert not stale.carrier.done()
+    ranks.ready[0] = True
+    d.watch()
+    d.pump()
+    wire.take()
+    d.on_reply(_ok(stale.carrier, 0))
+    d.on_reply(_ok(stale.carrier, 1))
+    assert stale.carrier.result(0)
+    fresh = _single()
+    d.post(fresh)
+    d.on_reply(Reply(fresh.carrier.task_id, 0, False, ErrorCode.NOT_READY, "FAILED"))
+    d.on_reply(_ok(fresh.carrier, 1))
+    with pytest.raises(TransferFailed) as ei:
+        fresh.carrier.result(0)
+    assert ei.value.code == ErrorCode.NOT_READY
+
+
+def test_a_batch_refused_by_one_rank_fails_its_tasks_on_that_rank():
+    d, _, _ = _dispatcher()
+    env = _batch(2)
+    d.post(env)
+    d.on_reply(Reply(env.carrier.task_id, 0, False, ErrorCode.NOT_READY, "rank 0 ATTACHING"))
+    assert not any(t.done() for t in env.tasks)  # rank 1 still owes its answers
+    for t in env.tasks:
+        d.on_reply(_ok(t, 1))
+    for t in env.tasks:
+        with pytest.raises(TransferFailed) as ei:
+            t.result(0)
+        assert [(f.rank, f.code) for f in ei.value.failures] == [(0, ErrorCode.NOT_READY)]
+        assert f"batch {env.carrier.task_id} refused" in ei.value.failures[0].message
+
+
+def test_an_error_while_sending_costs_only_that_message(caplog):
+    d, wire, _ = _dispatcher()
+    bad, good = _batch(2), _single()
+    wire.fail_id = bad.carrier.task_id
+    d.post(bad)
+    d.post(good)
+    for f in bad.futures:
+        with pytest.raises(KvswapError, match="injected transmit fault") as ei:
+            f.result(0)
+        assert ei.value.code == ErrorCode.INTERNAL_ERROR
+    assert [h["id"] for h in wire.take(0)] == [good.carrier.task_id]
+    (record,) = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert record.exc_info is not None and "failing 3 task(s)" in record.getMessage()
+
+
+def test_an_oversized_message_fails_its_futures_and_is_not_sent():
+    d, wire, _ = _dispatcher()
+    fut = TransferFuture(next(_ids), Op.PING, range(2), time.monotonic() + 30)
+    d.post(_Envelope(fut, Message(request_header(Op.PING, fut.task_id,
+                                                 {"pad": "x" * MAX_HEADER_BYTES}), [])))
+    with pytest.raises(TransferFailed) as ei:
+        fut.result(0)
+    assert ei.value.code == ErrorCode.MESSAGE_TOO_LARGE and wire.sent == []
+
+
+def test_flow_control_keeps_a_window_of_replies_per_rank():
+    """A daemon's ROUTER drops replies beyond 1000 queued per peer: never owe more
+    than WINDOW, and keep cs order through the backlog."""
+    d, wire, _ = _dispatcher(tp=1)
+    envs = [_single(tp=1) for _ in range(tc.WINDOW + 10)]
+    for env in envs:
+        d.post(env)
+    assert len(wire.take()) == tc.WINDOW
+    d.on_reply(_ok(envs[0].carrier, 0))
+    d.pump()
+    assert [h["cs"] for h in wire.take()] == [tc.WINDOW + 1]
+    for env in envs[1:20]:
+        d.on_reply(_ok(env.carrier, 0))
+    d.pump()
+    assert [h["cs"] for h in wire.take()] == list(range(tc.WINDOW + 2, tc.WINDOW + 11))
+    d.expire(time.monotonic() + 60)  # timed-out futures give their slots back too
+    assert all(env.carrier.done() for env in envs) and d._owing == [0]
+    more = [_single(tp=1) for _ in range(tc.WINDOW)]
+    for env in more:
+        d.post(env)
+    assert len(wire.take()) == tc.WINDOW

@@ -492,8 +492,12 @@ def run_gpu(args: argparse.Namespace) -> int:
         print(f"kvswap bench gpu: {GPU_SCRIPT} not found (it ships with a source checkout)",
               file=sys.stderr)
         return 2
-    cmd = [sys.executable, str(GPU_SCRIPT), *(["--json"] if args.json else [])]
-    return subprocess.run(cmd, check=False).returncode
+    return subprocess.run(gpu_command(args.json), check=False).returncode
+
+
+def gpu_command(as_json: bool) -> list[str]:
+    """``scripts/bench_gpu.py``'s command line; ``--json -`` puts its JSON on stdout."""
+    return [sys.executable, str(GPU_SCRIPT), *(["--json", "-"] if as_json else [])]
 
 
 # ------------------------------------------------------------------ CLI

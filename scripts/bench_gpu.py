@@ -25,6 +25,7 @@ Usage: python scripts/bench_gpu.py [--device N] [--tensors 8] [--task-mib 64]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import statistics
@@ -243,7 +244,7 @@ def print_table(device_name: str, rows: list[Row], sweep: list[dict],
             print(f"  {key}: {value if value is not None else 'never (kernel always faster)'}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", type=int, default=0)
     p.add_argument("--tensors", type=int, default=8, help="tensors per task (default 8)")
@@ -254,23 +255,34 @@ def main(argv: list[str] | None = None) -> int:
                    help="threshold for the contiguous/scattered cases (default 16)")
     p.add_argument("--no-sweep", dest="sweep", action="store_false",
                    help="skip the memcpy-run threshold sweep")
-    p.add_argument("--json", default=None, help="also write the results as JSON here")
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the results as JSON to FILE; '-': JSON on stdout and the "
+                        "table on stderr (what `kvswap bench gpu --json` runs)")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     cupy = import_cupy()
     rng = np.random.default_rng(args.seed)
     name = cupy.cuda.runtime.getDeviceProperties(args.device)["name"]
     device_name = name.decode() if isinstance(name, bytes) else str(name)
     rows = run_cases(cupy, args, rng)
     sweep, suggested = run_sweep(cupy, args, rng) if args.sweep else ([], {})
-    print_table(device_name, rows, sweep, suggested)
+    with contextlib.redirect_stdout(sys.stderr if args.json == "-" else sys.stdout):
+        print_table(device_name, rows, sweep, suggested)
     if args.json:
         result = {"device": device_name, "tensors": args.tensors, "task_mib": args.task_mib,
                   "reps": args.reps,
                   "rows": [dict(asdict(r), ratio=r.ratio) for r in rows],
                   "sweep": sweep, "suggested_memcpy_run_blocks": suggested}
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        if args.json == "-":
+            json.dump(result, sys.stdout, indent=2)
+            print()
+        else:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2)
     return 0
 
 

@@ -267,3 +267,16 @@ def test_fill_of_a_missing_block_changes_nothing():
     with pytest.raises(ValueError, match=re.escape("no '<!-- generated: b -->' ... "
                                                    "'<!-- end: b -->' block")):
         docblocks.fill("<!-- generated: a -->\n<!-- end: a -->\n", {"a": "x", "b": "y"})
+
+
+def test_bench_gpu_json_flag_is_one_bench_gpu_accepts(monkeypatch):
+    """``kvswap bench gpu --json`` runs bench_gpu.py with arguments its parser takes, and
+    ``--json -`` means stdout (it used to pass a bare ``--json``, which needs a file)."""
+    spec = importlib.util.spec_from_file_location("bench_gpu", bench.GPU_SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_gpu", script)
+    spec.loader.exec_module(script)
+    cmd = bench.gpu_command(as_json=True)
+    assert cmd[1] == str(bench.GPU_SCRIPT)
+    assert script.parse_args(cmd[2:]).json == "-"
+    assert script.parse_args(bench.gpu_command(as_json=False)[2:]).json is None

@@ -85,6 +85,8 @@ DATA_RATIO_SMALL = Target(Cmp.AT_LEAST, 0.40)  # blocks below DATA_LARGE_BLOCK
 DATA_RATIO_LARGE = Target(Cmp.AT_LEAST, 0.80)
 DATA_LARGE_BLOCK = 64 << 10
 STORAGE_RATIO = Target(Cmp.AT_LEAST, 0.7)  # backup and prefetch, every store
+HOSTCACHE_LRU_VS_REFERENCE = Target(Cmp.AT_MOST, 1.5)  # ns per block, vs an OrderedDict LRU
+ARC_MINUS_LRU_POINTS = Target(Cmp.AT_LEAST, -1.0)  # host hit-ratio points, every capacity
 
 
 def judged(target: Target | None, value: float) -> list[str]:
@@ -189,6 +191,44 @@ def render_storage(result: dict[str, Any]) -> list[str]:
                      "reference GB/s", "ratio", "target", "met"], rows)
 
 
+def render_hostcache(result: dict[str, Any]) -> list[str]:
+    rows = []
+    for r in result["hostcache"]:
+        ratio = r["vs_reference"]
+        target = HOSTCACHE_LRU_VS_REFERENCE if r["impl"] == "lru" else None
+        hits = r["hit_ratio"] if isinstance(r["hit_ratio"], str) else f"{100 * r['hit_ratio']:.1f} %"
+        rows.append([r["impl"], r["ns_per_block"], round(ratio, 2), hits, *judged(target, ratio)])
+    return md_table(["implementation", "ns per block", "vs reference", "host hit ratio",
+                     "target", "met"], rows)
+
+
+def render_trace(result: dict[str, Any]) -> list[str]:
+    """The replays (daemons and bookkeeping, per policy), their checks, then the sweep."""
+    rows = [[r["policy"], r["mode"], r["device_hits"], r["host_hits"], r["storage_hits"],
+             r["misses"], f"{100 * r['host_ratio']:.1f} %", r["tasks"],
+             size_text(r["bytes_moved"]), r["wall_s"], r["cpu_us_per_request"]]
+            for r in result["replay"]]
+    t = result["trace"][0]
+    lines = [f"Trace: {t['requests']} requests, {t['blocks']} block references, "
+             f"{t['distinct_blocks']} distinct blocks.", "",
+             *md_table(["policy", "mode", "device hits", "host hits", "storage hits", "misses",
+                        "host hit ratio", "tasks", "bytes moved", "wall s",
+                        "engine CPU µs/request"], rows), ""]
+    checks = [[c["verified"], c["mismatched"], "yes" if c["host_hits_equal"] else "no",
+               "met" if c["host_hits_equal"] and c["mismatched"] == 0 else "not met"]
+              for c in result["check"]]
+    lines += md_table(["verified (block, rank)", "differ", "host hits equal the bookkeeping's",
+                       "met"], checks)
+    if result.get("sweep"):
+        sweep = [[r["host_blocks"], f"{100 * r['lru_host_ratio']:.1f} %",
+                  f"{100 * r['arc_host_ratio']:.1f} %", r["arc_minus_lru_points"],
+                  *judged(ARC_MINUS_LRU_POINTS, r["arc_minus_lru_points"])]
+                 for r in result["sweep"]]
+        lines += ["", *md_table(["host blocks", "lru host hit ratio", "arc host hit ratio",
+                                 "arc − lru (points)", "target", "met"], sweep)]
+    return lines
+
+
 def render_gpu(result: dict[str, Any]) -> list[str]:
     rows = [[r["direction"], r["case"], f"{r['block_kib']} KiB", r["blocks_per_task"],
              round(r["mib_per_task"], 1), round(r["kvswap_gbps"], 2), round(r["memcpy_gbps"], 2),
@@ -263,13 +303,14 @@ def run_command(cmd: list[str], what: str) -> str:
 
 
 def _merged(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """One result from several commands of a scenario: their row lists, concatenated."""
+    """One result from several commands of a scenario: their row lists, concatenated
+    (a key whose value is one object, not rows, gets the list of those objects)."""
     if len(results) == 1:
         return results[0]
     out: dict[str, list] = {}
     for res in results:
         for key, rows in res.items():
-            out.setdefault(key, []).extend(rows)
+            out.setdefault(key, []).extend(rows if isinstance(rows, list) else [rows])
     return out
 
 
@@ -304,6 +345,18 @@ def storage_plan(quick: bool) -> tuple[list[list[str]], list[str]]:
     why = redis_unavailable()
     cold = ["--cold", *size] if why else ["--cold", "--redis", "auto", *size]
     return [cold, size], [f"Redis not measured: {why}."] if why else []
+
+
+_SWEEP = "64,128,256,512,1024,2048,4096"
+
+
+def trace_plan(quick: bool) -> tuple[list[list[str]], list[str]]:
+    """The default synthetic trace replayed with each policy through daemons at TP 2, then
+    the ARC-vs-LRU sweep of host capacities (bookkeeping replays) on the same trace."""
+    size = ["--requests", "100"] if quick else []
+    sweep = "64,128" if quick else _SWEEP
+    return [["--synthetic", "--policy", "lru", *size], ["--synthetic", "--policy", "arc", *size],
+            ["--synthetic", "--sweep", sweep, *size]], []
 
 
 def measure_gpu(quick: bool) -> Measured:
@@ -350,6 +403,9 @@ SECTIONS: tuple[Section, ...] = (
                                                           "--repeat", "1"])), render_layerwise),
     Section("storage", scenario("storage", storage_plan), render_storage),
     Section("gpu", measure_gpu, render_gpu),
+    Section("trace", scenario("trace", trace_plan), render_trace),
+    Section("hostcache", scenario("hostcache", fixed([], ["--requests", "200", "--rounds", "1"])),
+            render_hostcache),
 )
 
 

@@ -28,7 +28,7 @@ PROVENANCE = re.compile(
     r"^Measured at commit `(?P<commit>[0-9a-f]{7,}(?P<dirty>\+dirty)?)`, "
     r"\d{4}-\d\d-\d\d \d\d:\d\d UTC, on (?P<machine>.+, \d+ CPUs, \d+ GiB, Python [\d.]+); "
     r"load average [\d.]+ at the start\. Commands: (?P<commands>.+?)\.(?P<rest>.*)$")
-TARGET = re.compile(r"^(>=|<=) [\d.]+( tasks/s)?$")
+TARGET = re.compile(r"^(>=|<=) -?[\d.]+( tasks/s)?$")
 _LEFTOVER = re.compile(r"bench-(\d+)-")
 
 
@@ -140,13 +140,15 @@ def _never(quick: bool) -> bench_all.Measured:
 
 
 @pytest.mark.parametrize("edit, message", [
+    (lambda t: t.replace("<!-- end: bench-hostcache -->\n", ""),
+     "block 'bench-hostcache' has no '<!-- end: bench-hostcache -->' line after it"),
     (lambda t: t.replace("<!-- end: bench-gpu -->\n", ""),
-     "block 'bench-gpu' has no '<!-- end: bench-gpu -->' line after it"),
+     "'<!-- generated: bench-trace -->' inside the block 'bench-gpu'"),
     (lambda t: re.sub(r"<!-- generated: bench-data -->\n.*?<!-- end: bench-data -->\n", "", t,
                       flags=re.S),
      "no block for '<!-- generated: bench-data -->'"),
-    (lambda t: t + "\n<!-- generated: bench-trace -->\n<!-- end: bench-trace -->\n",
-     "block(s) bench-trace belong to no section"),
+    (lambda t: t + "\n<!-- generated: bench-peer -->\n<!-- end: bench-peer -->\n",
+     "block(s) bench-peer belong to no section"),
     (lambda t: t.replace("<!-- generated: bench-tasks -->\n", ""),
      "'<!-- end: bench-tasks -->' without '<!-- generated: bench-tasks -->' before it"),
 ])

@@ -214,11 +214,13 @@ def render_trace(result: dict[str, Any]) -> list[str]:
              *md_table(["policy", "mode", "device hits", "host hits", "storage hits", "misses",
                         "host hit ratio", "tasks", "bytes moved", "wall s",
                         "engine CPU µs/request"], rows), ""]
-    checks = [[c["verified"], c["mismatched"], "yes" if c["host_hits_equal"] else "no",
+    # one check per replay command, in the order of the daemon rows they belong to
+    policies = [r["policy"] for r in result["replay"] if r["mode"] == "daemons"]
+    checks = [[policy, c["verified"], c["mismatched"], "yes" if c["host_hits_equal"] else "no",
                "met" if c["host_hits_equal"] and c["mismatched"] == 0 else "not met"]
-              for c in result["check"]]
-    lines += md_table(["verified (block, rank)", "differ", "host hits equal the bookkeeping's",
-                       "met"], checks)
+              for policy, c in zip(policies, result["check"], strict=True)]
+    lines += md_table(["policy", "verified (block, rank)", "differ",
+                       "host hits equal the bookkeeping's", "met"], checks)
     if result.get("sweep"):
         sweep = [[r["host_blocks"], f"{100 * r['lru_host_ratio']:.1f} %",
                   f"{100 * r['arc_host_ratio']:.1f} %", r["arc_minus_lru_points"],

@@ -14,7 +14,8 @@ from kvswap.client.errors import KvswapError
 from kvswap.daemon.config import DaemonConfig
 from kvswap.daemon.logs import setup_logging
 from kvswap.daemon.options import HelpFormatter, add_options, parse_config
-from kvswap.daemon.server import Daemon, DaemonError
+from kvswap.daemon.jobs import DaemonError
+from kvswap.daemon.server import Daemon
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvswap.daemon.cuda_backend import PinnedHostRange
+from kvswap.daemon.cuda_memory import PinnedHostRange
 from kvswap.kernels.cuda_copy import CudaTaskCopier, TensorPointers, import_cupy
 
 SCATTERED_KIB = (4, 8, 64, 512)

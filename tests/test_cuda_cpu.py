@@ -41,9 +41,10 @@ from kvswap.client.errors import ErrorCode, InvalidTask, NotReady
 from kvswap.client.layout import TensorDesc
 from kvswap.client.protocol import Op, packb
 from kvswap.daemon import cuda_backend as cb
+from kvswap.daemon import cuda_memory as cm
 from kvswap.daemon.backend import make_backend
 from kvswap.daemon.swap_space import HostSwapSpace
-from kvswap.daemon.cuda_backend import (
+from kvswap.daemon.cuda_memory import (
     IpcMappings,
     PinnedHostRange,
     group_by_allocation,
@@ -66,7 +67,7 @@ from kvswap.kernels.cuda_copy import (
     split_plan,
 )
 
-PAGE = cb.PAGE_BYTES
+PAGE = cm.PAGE_BYTES
 UUID0 = bytes(range(16))
 UUID1 = bytes(range(100, 116))
 
@@ -215,7 +216,7 @@ class FakeRuntime:
         return SimpleNamespace(type=0, devicePointer=0, hostPointer=0, device=-2)
 
     def ipcOpenMemHandle(self, handle, flags):
-        assert flags == cb.IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        assert flags == cm.IPC_MEM_LAZY_ENABLE_PEER_ACCESS
         if self.fail_open_at == len(self.open_log):
             self.open_log.append(handle)
             raise FakeRuntimeError("cudaErrorInvalidResourceHandle: invalid resource handle")
@@ -1066,7 +1067,7 @@ class FakeCudaRuntime(FakeRuntime):
         return {self.cudaDevAttrMultiProcessorCount: 4, self.cudaDevAttrCanMapHostMemory: 1}[attr]
 
     def ipcOpenMemHandle(self, handle, flags):
-        assert flags == cb.IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        assert flags == cm.IPC_MEM_LAZY_ENABLE_PEER_ACCESS
         if self.fail_open_at == len(self.open_log):
             self.open_log.append(handle)
             raise FakeRuntimeError("cudaErrorInvalidResourceHandle")

@@ -40,7 +40,7 @@ from kvswap.client.protocol import (
 )
 from kvswap.client.signals import HEADER_FIELDS, HIST_OPS, RANK_FIELDS
 from kvswap.daemon.scheduler import LANES
-from kvswap.daemon.server import STORAGE_OPS
+from kvswap.daemon.jobs import STORAGE_OPS
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 

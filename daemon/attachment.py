@@ -1,0 +1,353 @@
+"""Registration and attachment: what this rank has attached, as one record.
+
+:class:`Attachment` is frozen and complete: the host swap space, the scheduler
+over it, the block counts, the layer groups and the storage fingerprint.  The
+control thread builds a new one on ``register`` and publishes it, or publishes
+None on ``clear``, through :class:`AttachmentSlot` in a single reference
+assignment.  Every other thread reads ``slot.current`` once per request and
+uses that record throughout, so it never sees half of an old attachment and
+half of a new one.
+
+:class:`Registrar` owns the register itself: its admission in the I/O thread,
+its repeats (a worker whose register timed out sends it again), the attach on
+the control thread, and the register file a restarted daemon re-attaches from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+import numpy as np
+
+from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError
+from kvswap.client.layout import TensorDesc, demo_layout, layout_hash, validate_layout
+from kvswap.client.protocol import Op, Request, packb
+from kvswap.client.shm_region import ShmRegion
+from kvswap.client.signals import R, RankState
+from kvswap.daemon.backend import Backend
+from kvswap.daemon.io_loop import IoLoop
+from kvswap.daemon.jobs import Completion, Job
+from kvswap.daemon.rank import RankContext
+from kvswap.daemon.scheduler import RunBatch, Scheduler
+from kvswap.daemon.storage_service import StorageService
+from kvswap.daemon.swap_space import HostSwapSpace
+
+log = logging.getLogger("kvswap.daemon")
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """Everything a request needs to know about the attached caches."""
+
+    swap: HostSwapSpace
+    scheduler: Scheduler
+    num_device_blocks: int
+    num_host_blocks: int
+    block_bytes: int  # bytes of one block over every tensor
+    layer_groups: tuple[tuple[int, ...], ...]  # tensor indices per layer, by layer
+    tensor_spans: tuple[tuple[int, int, int], ...]  # (tensor, offset in entry, bytes)
+    fingerprint: bytes  # the storage tier's model fingerprint (b"" without a tier)
+
+
+class AttachmentSlot:
+    """The one published :class:`Attachment` (None while nothing is attached).
+
+    Written only by the control thread (attach, clear), read by any thread; a
+    reader takes ``current`` once and keeps the record it got."""
+
+    def __init__(self) -> None:
+        self.current: Attachment | None = None  # control thread writes; any thread reads
+
+
+@dataclass
+class Registration:
+    """The register this rank is running or has run (see
+    :meth:`Registrar._answer_repeat`)."""
+
+    tensors: list[dict]  # canonical descriptors (TensorDesc.to_wire), locations included
+    reply: tuple[ErrorCode, str, dict] | None = None  # (code, message, fields) once it ended
+    waiters: list[Job] = field(default_factory=list)  # repeats answered when it ends
+
+    def difference(self, backend: str, header: dict) -> str:
+        """How a register's header differs from this one ("" when it is the same)."""
+        if header["backend"] != backend:
+            return f"backend {header['backend']!r}, not {backend!r}"
+        try:
+            tensors = [TensorDesc.from_wire(t).to_wire() for t in header["tensors"]]
+        except InvalidTask as exc:
+            return f"its descriptors are invalid: {exc.message}"
+        if len(tensors) != len(self.tensors):
+            return f"{len(tensors)} tensors, not {len(self.tensors)}"
+        for new, old in zip(tensors, self.tensors):
+            if new != old:
+                what = [k for k in old if new.get(k) != old[k]]
+                return f"tensor {old['name']!r} differs in {', '.join(what)}"
+        return ""
+
+
+class Registrar:
+    """Register, attach and detach; re-attach after a restart."""
+
+    def __init__(self, rank: RankContext, backend: Backend, io: IoLoop, slot: AttachmentSlot,
+                 storage: StorageService, control: queue.SimpleQueue, run_batch: RunBatch):
+        self._rank = rank
+        self._backend = backend
+        self._io = io
+        self._slot = slot
+        self._storage = storage
+        self._control = control
+        self._run_batch = run_batch
+        self._registration: Registration | None = None  # I/O and control, under _lock
+        self._lock = threading.Lock()
+        self._kept_swap: HostSwapSpace | None = None  # control thread: kept by clear(free_host=False)
+        self._demo_regions: dict[str, ShmRegion] = {}  # control thread (I/O thread at start)
+        self._path: Path = rank.names.run_dir / f"rank{rank.index}.register"
+
+    # ---------------------------------------------------------------- I/O thread
+    def admit(self, job: Job, req: Request | None) -> None:
+        """Queue a register for the control thread, or answer a repeat of the one in
+        effect (:meth:`_answer_repeat`)."""
+        rank, cfg = self._rank, self._rank.cfg
+        if rank.stopping.is_set():
+            raise KvswapError(f"rank {rank.index} is shutting down", ErrorCode.SHUTTING_DOWN)
+        hdr = job.header
+        with self._lock:
+            state = rank.sm.state
+            if self._registration is not None or state is not RankState.ATTACHING:
+                self._answer_repeat(job, state)
+                return
+            if hdr["backend"] != cfg.backend:
+                raise InvalidTask(f"rank {rank.index} runs the {cfg.backend} backend, the "
+                                  f"worker registered {hdr['backend']} tensors",
+                                  ErrorCode.BAD_LAYOUT)
+            job.tensors = [TensorDesc.from_wire(t) for t in hdr["tensors"]]
+            blocks = validate_layout(job.tensors)
+            if blocks > cfg.max_device_blocks:
+                raise InvalidTask(
+                    f"rank {rank.index}: the tensors have {blocks} blocks, more than kvswapd "
+                    f"--max-device-blocks {cfg.max_device_blocks} (it sizes the socket's "
+                    f"frame limit); relaunch with a larger --max-device-blocks",
+                    ErrorCode.BAD_LAYOUT)
+            self._registration = Registration([t.to_wire() for t in job.tensors])
+        self._control.put(job)
+
+    def _answer_repeat(self, job: Job, state: RankState) -> None:
+        """A register on a rank that has one in effect (caller holds the lock).
+
+        A worker whose register timed out on its side sends it again while the
+        daemon has finished the first, or is still running it.  The same
+        descriptors (locations included, so the very same memory) get the first
+        one's answer: now, or from the control thread when it ends.  Anything else
+        is ALREADY_REGISTERED: attached caches are only replaced through
+        clear/restore."""
+        reg, index = self._registration, self._rank.index
+        if state in (RankState.CLEARING, RankState.CLEARED):
+            raise KvswapError(f"rank {index} is {state.name}: its caches were released; "
+                              f"call restore_caches() on the TransferClient, then register",
+                              ErrorCode.ALREADY_REGISTERED)
+        differs = "no register" if reg is None else reg.difference(self._rank.cfg.backend,
+                                                                   job.header)
+        if differs:
+            raise KvswapError(
+                f"rank {index} already has caches registered (state {state.name}) and this "
+                f"register is not the same ({differs}); to attach other tensors call "
+                f"clear_caches() then restore_caches() on the TransferClient and register "
+                f"again, or relaunch the namespace", ErrorCode.ALREADY_REGISTERED)
+        assert reg is not None
+        if reg.reply is None:
+            reg.waiters.append(job)
+            log.info("register %s repeats the one being attached; answered when it ends",
+                     job.req_id)
+            return
+        code, message, fields = reg.reply
+        log.info("register %s repeats the one in effect; answered with its reply", job.req_id)
+        self._io.reply(job.route, job.req_id, code, message, fields=fields)
+
+    # ---------------------------------------------------------------- control thread
+    def run(self, job: Job, req: Request | None) -> dict:
+        """Attach the caches; repeats of this register that arrived meanwhile get the
+        same answer.  Attaching is all or nothing: a failure leaves nothing
+        attached, so a new register may try again."""
+        try:
+            fields = self._attach(job)
+        except KvswapError as exc:
+            self._end(exc.code, exc.message, {}, attached=False)
+            raise
+        except Exception as exc:  # the control loop logs it and answers INTERNAL_ERROR
+            self._end(ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", {},
+                      attached=False)
+            raise
+        self._end(ErrorCode.OK, "", fields, attached=True)
+        return fields
+
+    def _end(self, code: ErrorCode, message: str, fields: dict, attached: bool) -> None:
+        """Record how the register ended and answer the repeats that waited for it.
+        Nothing attached: forget it, so a new register may try."""
+        now = time.perf_counter_ns()
+        with self._lock:
+            reg = self._registration
+            assert reg is not None
+            waiters, reg.waiters = reg.waiters, []
+            reg.reply = (code, message, fields)
+            if not attached:
+                self._registration = None
+        for waiter in waiters:
+            self._io.complete(Completion.now(waiter, code, message, now, fields))
+
+    def _attach(self, job: Job) -> dict:
+        rank, cfg, sig, tensors = self._rank, self._rank.cfg, self._rank.sig, job.tensors
+        if cfg.storage_url:
+            self._storage.open()
+        if self._kept_swap is not None:  # kept across clear(free_host=False): re-adopted below
+            self._kept_swap.close(unlink=False)
+            self._kept_swap = None
+        swap = HostSwapSpace.open(rank.names, rank.index, tensors, cfg.pool_blocks,
+                                  host_bytes=cfg.host_size)
+        sig[R.SWAP_BYTES_TOTAL] = swap.nbytes  # before attach: pinning reports progress
+        try:
+            if swap.num_host_blocks > cfg.host_blocks_bound:
+                raise InvalidTask(
+                    f"--host-size gives {swap.num_host_blocks} host blocks per tensor, more "
+                    f"than --max-device-blocks {cfg.max_device_blocks}, which sizes the "
+                    f"largest frame the socket accepts; relaunch with a larger "
+                    f"--max-device-blocks or a smaller --host-size", ErrorCode.BAD_LAYOUT)
+            self._backend.attach(tensors, swap)
+            if job.route is not None:
+                self._save(job.header)
+        except BaseException:
+            self._backend.detach()
+            sig[R.SWAP_BYTES_TOTAL] = 0
+            sig[R.SWAP_BYTES_PINNED] = 0
+            swap.close(unlink=not swap.reused)
+            raise
+        layers = sorted({t.layer for t in tensors})
+        offsets = np.cumsum([0] + [t.bytes_per_block for t in tensors])
+        fingerprint = b""
+        if cfg.storage_url:
+            from kvswap.client.block_keys import model_fingerprint
+
+            # The TP size is part of the identity: with replicated KV heads two TP sizes
+            # can give the same per-rank layout while rank r holds other heads.
+            fingerprint = model_fingerprint(layout_hash(tensors),
+                                            f"{cfg.model_id}|tp={cfg.tp_size}")
+        num_device_blocks = tensors[0].num_blocks
+        att = Attachment(
+            swap=swap,
+            scheduler=Scheduler(num_device_blocks, swap.num_host_blocks, self._run_batch,
+                                workers=cfg.workers, merge=cfg.merge,
+                                max_merge_blocks=cfg.max_merge_blocks,
+                                storage_workers=1 if cfg.storage_url else 0),
+            num_device_blocks=num_device_blocks,
+            num_host_blocks=swap.num_host_blocks,
+            block_bytes=sum(t.bytes_per_block for t in tensors),
+            layer_groups=tuple(tuple(i for i, t in enumerate(tensors) if t.layer == layer)
+                               for layer in layers),
+            tensor_spans=tuple((i, int(offsets[i]), t.bytes_per_block)
+                               for i, t in enumerate(tensors)),
+            fingerprint=fingerprint)
+        self._slot.current = att  # published: from here on the caches are attached
+        sig[R.NUM_DEVICE_BLOCKS] = att.num_device_blocks
+        sig[R.NUM_HOST_BLOCKS] = att.num_host_blocks
+        sig[R.SWAP_BYTES_TOTAL] = swap.nbytes
+        sig[R.SWAP_BYTES_PINNED] = swap.nbytes
+        sig[R.CACHE_READY] = 1
+        sig[R.SWAP_READY] = 1
+        log.info("attached %d tensors in %d layers (%d device blocks, %.1f MiB host swap%s)",
+                 len(tensors), len(layers), att.num_device_blocks, swap.nbytes / 2**20,
+                 ", re-attached" if swap.reused else "")
+        return {"num_device_blocks": att.num_device_blocks,
+                "num_host_blocks": att.num_host_blocks}
+
+    def detach(self, free_host: bool) -> None:
+        """Clear: unpublish, stop the scheduler, release the device mappings (and the
+        pool if asked) and the register file.  Caller has drained the tasks."""
+        att, self._slot.current = self._slot.current, None
+        assert att is not None
+        att.scheduler.stop()
+        att.scheduler.join(self._rank.cfg.drain_timeout_s)
+        self._backend.detach()
+        sig = self._rank.sig
+        sig[R.CACHE_READY] = 0
+        if free_host:
+            att.swap.close(unlink=True)
+            sig[R.SWAP_READY] = 0
+            sig[R.SWAP_BYTES_TOTAL] = 0
+            sig[R.SWAP_BYTES_PINNED] = 0
+        else:
+            self._kept_swap = att.swap
+        self._path.unlink(missing_ok=True)
+
+    def forget(self) -> None:
+        """Restore: the next register attaches anew."""
+        with self._lock:
+            self._registration = None
+
+    def release(self) -> None:
+        """Teardown, after the control thread and the workers ended: release every
+        mapping and everything this rank created."""
+        self._backend.detach()
+        self._rank.sig[R.CACHE_READY] = 0
+        self._rank.sig[R.SWAP_READY] = 0
+        att = self._slot.current
+        swap = att.swap if att is not None else self._kept_swap
+        if swap is not None:
+            swap.close(unlink=True)
+        for region in self._demo_regions.values():
+            region.unlink()
+            region.close()
+        self._path.unlink(missing_ok=True)
+
+    # ---------------------------------------------------------------- start-up / restart
+    def _save(self, header: dict) -> None:
+        """Keep the worker's last register message, so a restarted daemon can re-open
+        the same tensors (shm names, or CUDA IPC handles that stay valid while the
+        worker lives) without waiting for the worker."""
+        tmp = self._path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(packb({"backend": header["backend"], "tensors": header["tensors"]}))
+        os.replace(tmp, self._path)
+
+    def attach_on_start(self) -> None:
+        """First start: wait for a worker (or create demo caches).  Restart (epoch > 1):
+        re-attach what the previous incarnation had, then go READY without the
+        start-up barrier, which the other (READY) ranks will not enter again."""
+        rejoin = self._rank.epoch > 1
+        if self._rank.cfg.demo_caches is not None:
+            self.create_demo_caches(rejoin)
+            return
+        if not (rejoin and self._path.exists()):
+            return
+        try:
+            header = msgpack.unpackb(self._path.read_bytes(), raw=False)
+            job = Job(None, 0, Op.REGISTER, time.perf_counter_ns(), header, rejoin=True)
+            self.admit(job, None)
+            log.info("restart (epoch %d): re-attaching the caches registered before",
+                     self._rank.epoch)
+        except (KvswapError, ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
+            log.warning("restart: cannot re-attach from %s (%s); waiting for the worker to "
+                        "register again", self._path, exc)
+
+    def create_demo_caches(self, rejoin: bool) -> None:
+        """--demo-caches: simulated device tensors owned by this daemon, registered
+        through the same path a CacheWorker's register takes.  Opened without
+        O_EXCL so a restarted daemon finds its predecessor's tensors, contents intact
+        (as GPU memory outlives a crashed transfer daemon)."""
+        rank = self._rank
+        descs = []
+        for t in demo_layout(rank.cfg.demo_caches or None):
+            name = rank.names.device_segment(rank.index, t.name)
+            if name not in self._demo_regions:
+                nbytes = int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
+                self._demo_regions[name] = ShmRegion.create(name, nbytes, exclusive=False)
+            descs.append(TensorDesc(t.name, t.layer, t.dtype, t.shape, {"shm": name}))
+        header = {"backend": rank.cfg.backend, "tensors": [d.to_wire() for d in descs]}
+        self.admit(Job(None, 0, Op.REGISTER, time.perf_counter_ns(), header, rejoin=rejoin),
+                   None)

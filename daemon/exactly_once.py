@@ -1,0 +1,130 @@
+"""Exactly-once execution across daemon crashes, through the completion journal.
+
+A task is journalled when it is admitted and its outcome when it ends, before
+its dependents are released and before its reply is sent (why that order makes
+re-sends safe: daemon/journal.py).  A re-sent task is answered from the record
+of an earlier incarnation; tasks a crash interrupted are replayed, in admission
+order, before the rank reports READY again, or recorded OUTCOME_UNKNOWN when
+they cannot be.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import numpy as np
+
+from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError
+from kvswap.client.protocol import Op, validate_transfer
+from kvswap.daemon import crashpoints
+from kvswap.daemon.io_loop import IoLoop
+from kvswap.daemon.jobs import Completion, Job, Origin
+from kvswap.daemon.journal import Journal
+from kvswap.daemon.rank import RankContext
+from kvswap.daemon.scheduler import Task
+
+log = logging.getLogger("kvswap.daemon")
+
+Execute = Callable[[list[Task]], list[Completion]]
+
+
+class ExactlyOnce:
+    """The rank's completion journal (opened at start, adopting the one a crashed
+    predecessor left) and the rules for using it."""
+
+    def __init__(self, rank: RankContext, journal: Journal, io: IoLoop):
+        self._rank = rank
+        # admit/lookup: I/O thread; finish: whichever thread ended the task (the journal
+        # serialises them itself); replay: control thread before READY.
+        self._journal = journal
+        self._io = io
+
+    def admit(self, job: Job, origin: Origin, device_ids: np.ndarray, host_ids: np.ndarray, *,
+              layerwise: bool = False, keys: np.ndarray | None = None) -> None:
+        """Journal an admitted task (I/O thread); its record is ``job.jseq``."""
+        job.jseq = self._journal.admit(job.req_id, job.op, device_ids, host_ids,
+                                       layerwise=layerwise, keys=keys, cid=origin.cid,
+                                       cs=origin.cs)
+
+    def record(self, c: Completion) -> None:
+        """Journal a task's outcome.  Called before its dependents are released and
+        before its reply is sent: that order is what makes re-sends safe."""
+        if c.job.jseq is not None:
+            crashpoints.hit("record.before")
+            self._journal.finish(c.job.jseq, c.code, c.message, c.fields)
+
+    def settle(self, c: Completion) -> None:
+        """Journal a completion and hand it to the I/O thread (any thread)."""
+        self.record(c)
+        self._io.complete(c)
+
+    def answer_resent(self, job: Job, origin: Origin) -> bool:
+        """A re-sent task (I/O thread): answer it from the journal if an earlier
+        incarnation admitted it and return True; False if it was never admitted
+        here, so it runs now like a new task."""
+        found = self._journal.lookup(job.req_id)
+        index = self._rank.index
+        if found is None:
+            if self._journal.forgotten(origin.cid, origin.cs):
+                raise KvswapError(
+                    f"task {job.req_id} was re-sent after a restart, and rank {index}'s "
+                    f"completion journal no longer holds records that old, so whether it ran "
+                    f"cannot be proved; its destination blocks hold unknown content: submit a "
+                    f"new task if its source still holds what you want", ErrorCode.OUTCOME_UNKNOWN)
+            return False
+        state, outcome = found
+        if outcome is None:
+            raise InvalidTask(f"task {job.req_id} was re-sent while it is still running on rank "
+                              f"{index}; it is answered once", ErrorCode.INVALID_TASK)
+        fields = outcome.fields if outcome.code == ErrorCode.OK else {}
+        self._io.reply(job.route, job.req_id, outcome.code, outcome.message,
+                       fields={**fields, "journal": True})
+        return True
+
+    def replay_in_doubt(self, num_device_blocks: int, num_host_blocks: int,
+                        execute: Execute) -> None:
+        """Control thread, after re-attaching and before READY: finish the tasks a
+        crash interrupted, in admission order (why that is safe: daemon/journal.py)."""
+        for d in self._journal.in_doubt():
+            job = Job(None, d.task_id, d.op, time.perf_counter_ns(), keys=d.keys)
+            job.jseq = d.seq
+            now = time.perf_counter_ns()
+            if d.op is Op.PREFETCH:
+                done = Completion.now(job, ErrorCode.OUTCOME_UNKNOWN,
+                                      "a daemon crash interrupted this prefetch after the ranks "
+                                      "agreed on it; its host blocks hold unknown content: "
+                                      "prefetch again", now)
+            else:
+                try:
+                    validate_transfer(d.op, d.device_ids, d.host_ids, num_device_blocks,
+                                      num_host_blocks)
+                except KvswapError as exc:
+                    done = Completion.now(job, ErrorCode.OUTCOME_UNKNOWN,
+                                          f"cannot replay after a crash: {exc.message}", now)
+                else:
+                    task = Task(-1, d.op, d.device_ids, d.host_ids, layerwise=d.layerwise,
+                                ctx=job)
+                    (done,) = execute([task])
+            self.record(done)
+            log.warning("replayed %s %d, interrupted by a crash: [%d] %s", d.op.value, d.task_id,
+                        done.code, done.message or "OK")
+
+    def abandon_in_doubt(self) -> None:
+        """A register of new tensors: tasks a crash interrupted cannot be replayed onto
+        them; each is recorded OUTCOME_UNKNOWN so a re-send gets a clear answer."""
+        for d in self._journal.in_doubt():
+            self._journal.finish(d.seq, ErrorCode.OUTCOME_UNKNOWN,
+                                 "interrupted by a daemon crash; the caches were registered "
+                                 "anew, so it was not replayed")
+            log.warning("%s %d, interrupted by a crash, not replayed onto new caches",
+                        d.op.value, d.task_id)
+
+    def close(self) -> None:
+        """Close the journal; keep it for the next incarnation while a task is in doubt."""
+        in_doubt = self._journal.admitted
+        if in_doubt:
+            log.error("%d task(s) never finished; keeping the completion journal for the "
+                      "next incarnation", in_doubt)
+        self._journal.close(unlink=not in_doubt)

@@ -1,0 +1,287 @@
+"""The I/O thread: the only thread that touches the ROUTER socket(s).
+
+It reads each request (bounded: :meth:`IoLoop._recv`), verifies and decodes it,
+routes it through the handler table built from the op table, sends every reply,
+and counts finished tasks in the signal segment (it is their single writer).
+Other threads hand their completions over with :meth:`IoLoop.complete`: a deque
+plus a wake-up on an inproc PAIR the poller watches.  Stop signals arrive as
+bytes on a socketpair the poller also watches, so the thread wakes at once
+without a timer.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Callable
+
+import zmq
+
+from kvswap.client.auth import AuthFailed, ReplayGuard, sign, verify
+from kvswap.client.errors import ErrorCode, KvswapError
+from kvswap.client.protocol import (
+    MAX_FRAMES,
+    OPS,
+    HandlerKind,
+    Op,
+    RequestError,
+    decode_request,
+    encode_reply,
+    max_frame_bytes,
+)
+from kvswap.client.signals import HIST_OPS, R
+from kvswap.daemon import crashpoints
+from kvswap.daemon.connections import ConnectionGuard
+from kvswap.daemon.jobs import Completion, Handler, Job, Route
+from kvswap.daemon.rank import RankContext
+
+log = logging.getLogger("kvswap.daemon")
+
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+_HIST_INDEX = {Op(name): i for i, name in enumerate(HIST_OPS)}
+
+
+class IoLoop:
+    """Sockets, routing, replies and completions of one rank (I/O thread unless a
+    method says otherwise).  Constructing it binds the sockets."""
+
+    def __init__(self, rank: RankContext, secret: bytes):
+        self._rank = rank
+        self._secret = secret
+        cfg = rank.cfg
+        self._replays = ReplayGuard(cfg.replay_window_s)  # I/O thread
+        self._done: collections.deque[Completion] = collections.deque()  # any thread appends
+        self._done_lock = threading.Lock()  # serialises senders on _done_tx
+        self._pause_waiters: list[Job] = []  # I/O thread: pause requests answered once drained
+        self.max_frame_bytes = max_frame_bytes(cfg.max_device_blocks, cfg.host_blocks_bound)
+        self.ctx = zmq.Context(1)
+        self.router: zmq.Socket = self.ctx.socket(zmq.ROUTER)  # I/O thread
+        self.tcp_router: zmq.Socket | None = None  # I/O thread
+        try:
+            self._guard = self._bind()  # connection-guard thread
+        except zmq.ZMQError:
+            for sock in (self.router, self.tcp_router):
+                if sock is not None:
+                    sock.close(linger=0)
+            self.ctx.term()
+            raise
+        log.info("frames up to %d bytes (--max-device-blocks %d, at most %d host blocks); at "
+                 "most %d frames kept per request; connections refused from file descriptor %d "
+                 "of %d", self.max_frame_bytes, cfg.max_device_blocks,
+                 cfg.host_blocks_bound, MAX_FRAMES, self._guard.threshold, self._guard.limit)
+        addr = f"inproc://kvswap-done-{id(self)}"
+        self._done_rx = self.ctx.socket(zmq.PAIR)  # I/O thread
+        self._done_rx.bind(addr)
+        self._done_tx = self.ctx.socket(zmq.PAIR)  # any thread, under _done_lock
+        self._done_tx.connect(addr)
+        self._sig_r, self._sig_w = socket.socketpair()  # the signal wake-up fd (I/O thread)
+        self._sig_r.setblocking(False)
+        self._sig_w.setblocking(False)
+        signal.set_wakeup_fd(self._sig_w.fileno(), warn_on_full_buffer=False)
+        for s in STOP_SIGNALS:
+            signal.signal(s, lambda *_: None)
+
+    def _bind(self) -> ConnectionGuard:
+        """Bind the ROUTER(s), each limited to frames a valid request can carry, and
+        start the guard that refuses connections before file descriptors run out.
+
+        libzmq 4.3.5 checks ``MAXMSGSIZE`` per frame, on the frame's length prefix
+        (measured): a frame over it closes the connection before its body is
+        buffered, while a message of many frames each under it passes.  libzmq
+        delivers a multipart message only once all of it has arrived and sets no
+        limit on the number of frames; :meth:`_recv` bounds what the daemon keeps
+        of it.  docs/protocol.md section 2 states the resulting bounds."""
+        cfg, names = self._rank.cfg, self._rank.names
+        self.router.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        self.router.setsockopt(zmq.LINGER, 2000)
+        self.router.bind(names.endpoint(self._rank.index))
+        os.chmod(names.endpoint_path(self._rank.index), 0o600)
+        if cfg.listen_tcp:
+            self.tcp_router = self.ctx.socket(zmq.ROUTER)
+            self.tcp_router.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+            self.tcp_router.setsockopt(zmq.LINGER, 2000)
+            self.tcp_router.bind(cfg.listen_tcp)
+            log.info("also listening on %s (HMAC-SHA256 signed messages only)", cfg.listen_tcp)
+        return ConnectionGuard(self.ctx, [s for s in (self.router, self.tcp_router)
+                                          if s is not None])
+
+    def serve(self, handlers: dict[Op, Handler], begin_stop: Callable[[str], None],
+              workers_done: Callable[[], bool]) -> None:
+        """The loop, until a stop has begun and every worker has finished."""
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self._done_rx, zmq.POLLIN)
+        poller.register(self._sig_r, zmq.POLLIN)
+        if self.tcp_router is not None:
+            poller.register(self.tcp_router, zmq.POLLIN)
+        stopping = self._rank.stopping
+        while True:
+            if stopping.is_set() and workers_done():
+                self.flush_completions()
+                return
+            events = dict(poller.poll(100 if stopping.is_set() else 1000))
+            if self._sig_r.fileno() in events:
+                stops = [signal.Signals(s).name for s in self._sig_r.recv(64)
+                         if s in STOP_SIGNALS]
+                if stops:
+                    begin_stop(f"signal {', '.join(stops)}")
+            if self._done_rx in events:
+                self.flush_completions()
+            for sock, signed in ((self.router, False), (self.tcp_router, True)):
+                if sock is None or sock not in events:
+                    continue
+                for _ in range(256):  # bounded, so completions are not starved
+                    message = self._recv(sock, signed)
+                    if message is None:
+                        break
+                    self._on_request(handlers, *message, sock, signed)
+
+    @staticmethod
+    def _recv(sock: zmq.Socket, signed: bool) -> tuple[list, int] | None:
+        """One message, read part by part: (its leading frames, the number of frames
+        discarded past the limit), or None when none is waiting.
+
+        At most the identity, the MAC (tcp://) and :data:`MAX_FRAMES` frames are
+        kept; each later frame is released as soon as it is read, so an over-long
+        message never makes the daemon hold more than that (libzmq still buffers
+        the whole message before the first frame can be read: _bind)."""
+        try:
+            first = sock.recv(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+        keep = 1 + int(signed) + MAX_FRAMES
+        frames = [first]
+        dropped = 0
+        more = first.more
+        while more:  # the rest is there already: libzmq delivers a message whole
+            part = sock.recv(copy=False)
+            more = part.more
+            if len(frames) < keep:
+                frames.append(part)
+            else:
+                dropped += 1
+        return frames, dropped
+
+    def reply(self, route: Route | None, req_id: int | None, code: ErrorCode, message: str = "",
+              queued_us: float = 0.0, exec_us: float = 0.0, fields: dict | None = None) -> None:
+        if route is None:
+            return
+        body = encode_reply(req_id, self._rank.index, code, message, queued_us, exec_us,
+                            **(fields or {}))
+        frames = sign(self._secret, [body]) if route.signed else [body]
+        route.sock.send_multipart([route.ident, *frames], copy=False)
+
+    def reject(self, route: Route | None, req_id: int | None, op: str, exc: KvswapError) -> None:
+        log.warning("rejected %s %s: %s", op, req_id, exc)
+        self._rank.sig.add(R.FAILED, 1)
+        self._rank.stats.error(exc.code)
+        self.reply(route, req_id, exc.code, exc.message)
+
+    def _on_request(self, handlers: dict[Op, Handler], frames: list, dropped: int,
+                    sock: zmq.Socket, signed: bool) -> None:
+        t_recv = time.perf_counter_ns()
+        route = Route(sock, frames[0].bytes, signed)
+        if dropped:
+            self.reject(route, None, "request", KvswapError(
+                f"message of {len(frames) - 1 + dropped} frames; a request has at most "
+                f"{MAX_FRAMES} (a header and two id frames per batch task"
+                f"{', after the MAC' if signed else ''}), the rest were discarded unread",
+                ErrorCode.MESSAGE_TOO_LARGE))
+            return
+        body = [f.buffer for f in frames[1:]]
+        try:
+            if signed:
+                digest, body = verify(self._secret, body)
+            req = decode_request(body)
+            if signed:
+                self._replays.check(digest, req.header.get("ts"))
+        except RequestError as exc:
+            self.reject(route, exc.req_id, "request", exc)
+            return
+        except AuthFailed as exc:
+            self.reject(route, None, "request", exc)
+            return
+        job = Job(route, req.id, req.op, t_recv, req.header)
+        handler = handlers[req.op]
+        try:
+            if handler.admit is None:
+                assert handler.run is not None
+                fields = handler.run(job, req)
+                if fields is not None:
+                    self.reply(route, req.id, ErrorCode.OK, fields=fields)
+            else:
+                handler.admit(job, req)
+        except KvswapError as exc:
+            self.reject(route, req.id, req.op.value, exc)
+        except Exception as exc:  # a bug must cost one request, never the daemon
+            log.exception("%s %s failed unexpectedly", req.op.value, req.id)
+            self.reject(route, req.id, req.op.value,
+                        KvswapError(f"{type(exc).__name__}: {exc}", ErrorCode.INTERNAL_ERROR))
+
+    def complete(self, c: Completion) -> None:
+        """Hand a completion to the I/O thread (any thread)."""
+        self._done.append(c)
+        with self._done_lock:
+            self._done_tx.send(b"")
+
+    def flush_completions(self) -> None:
+        while True:
+            try:
+                self._done_rx.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        while self._done:
+            self.deliver(self._done.popleft())
+        self._answer_pause_waiters()
+
+    def deliver(self, c: Completion) -> None:
+        """Count a finished job and answer it."""
+        job = c.job
+        sig, stats = self._rank.sig, self._rank.stats
+        if OPS[job.op].kind is HandlerKind.TRANSFER:
+            sig.add(R.INFLIGHT, -1)
+            if c.code == ErrorCode.OK:
+                sig.add(R.COMPLETED, 1)
+                if job.op in (Op.EVICT, Op.LOAD):
+                    sig.add(R.BYTES_EVICTED if job.op is Op.EVICT else R.BYTES_LOADED, c.nbytes)
+            elif c.code != ErrorCode.CANCELLED:
+                sig.add(R.FAILED, 1)
+            if c.code != ErrorCode.OK:
+                stats.error(c.code)
+            timed = _HIST_INDEX.get(job.op)
+            if timed is not None:
+                stats.record(timed, 0, (c.t_start - job.t_recv) / 1e3)
+                stats.record(timed, 1, (c.t_end - c.t_start) / 1e3)
+            crashpoints.hit("reply.before")
+        self.reply(job.route, job.req_id, c.code, c.message,
+                   queued_us=(c.t_start - job.t_recv) / 1e3,
+                   exec_us=(c.t_end - c.t_start) / 1e3, fields=c.fields)
+        if job.jseq is not None:
+            crashpoints.hit("reply.after")
+
+    def answer_when_drained(self, job: Job) -> None:
+        """Answer ``job`` OK once no accepted transfer is in flight (pause)."""
+        self._pause_waiters.append(job)
+        self._answer_pause_waiters()
+
+    def _answer_pause_waiters(self) -> None:
+        if self._pause_waiters and self._rank.sig[R.INFLIGHT] == 0:
+            for job in self._pause_waiters:
+                self.reply(job.route, job.req_id, ErrorCode.OK)
+            self._pause_waiters = []
+
+    def close(self) -> None:
+        """Close every socket and the context (after the loop and every worker ended)."""
+        self._guard.close()
+        signal.set_wakeup_fd(-1)
+        self._sig_r.close()
+        self._sig_w.close()
+        for s in (self._done_tx, self._done_rx, self.router, self.tcp_router):
+            if s is not None:
+                s.close()
+        self.ctx.term()

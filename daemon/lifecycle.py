@@ -1,0 +1,218 @@
+"""The rank's life cycle: the control thread (SERIAL jobs: register, clear), the
+start-up barrier and READY, pause/resume, clear/restore for a weight update,
+ping/stats, and the start of a stop.
+
+Shutdown (``shutdown`` op, SIGTERM or SIGINT): state STOPPING, new requests get
+SHUTTING_DOWN, tasks that have not started are answered SHUTTING_DOWN, running
+ones finish and are answered; the daemon then releases what it created
+(daemon/server.py) and exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from functools import partial
+
+from kvswap.client.errors import ErrorCode, KvswapError, NotReady
+from kvswap.client.protocol import Op, Request
+from kvswap.client.signals import H, Barrier, KvCacheStatus, R, RankState, poll_until
+from kvswap.daemon.attachment import AttachmentSlot, Registrar
+from kvswap.daemon.exactly_once import ExactlyOnce
+from kvswap.daemon.io_loop import IoLoop
+from kvswap.daemon.jobs import Completion, Handler, Job
+from kvswap.daemon.rank import RankContext
+from kvswap.daemon.transfers import Transfers
+
+log = logging.getLogger("kvswap.daemon")
+
+
+class Lifecycle:
+    """State changes of the rank and the control thread that runs the slow ones."""
+
+    def __init__(self, rank: RankContext, io: IoLoop, slot: AttachmentSlot,
+                 registrar: Registrar, exactly: ExactlyOnce, transfers: Transfers,
+                 control: queue.SimpleQueue):
+        self._rank = rank
+        self._io = io
+        self._slot = slot
+        self._registrar = registrar
+        self._exactly = exactly
+        self._transfers = transfers
+        self._control = control  # SERIAL jobs, in arrival order; None ends the thread
+        self._thread: threading.Thread | None = None  # main thread: started, joined
+
+    # ---------------------------------------------------------------- control thread
+    def start(self, handlers: dict[Op, Handler]) -> None:
+        self._thread = threading.Thread(target=self._loop, args=(handlers,), name="control",
+                                        daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self, handlers: dict[Op, Handler]) -> None:
+        rank = self._rank
+        while True:
+            job = self._control.get()
+            if job is None:
+                break
+            t_start = time.perf_counter_ns()
+            if rank.stopping.is_set():
+                self._io.complete(Completion.now(job, ErrorCode.SHUTTING_DOWN,
+                                                 f"rank {rank.index} is shutting down", t_start))
+                continue
+            run = handlers[job.op].run
+            assert run is not None
+            try:
+                fields = run(job, None)
+                c = Completion(job, ErrorCode.OK, "", t_start, time.perf_counter_ns(),
+                               fields=fields or {})
+            except KvswapError as exc:
+                c = Completion(job, exc.code, exc.message, t_start, time.perf_counter_ns())
+            except Exception as exc:  # a bug must cost one request, never the daemon
+                log.exception("%s failed unexpectedly", job.op.value)
+                c = Completion(job, ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}",
+                               t_start, time.perf_counter_ns())
+            if job.route is None and c.code != ErrorCode.OK:
+                log.warning("internal %s failed: [%d] %s", job.op.value, c.code, c.message)
+            self._io.complete(c)
+            if job.op is Op.REGISTER and c.code == ErrorCode.OK:
+                if job.rejoin:
+                    att = self._slot.current
+                    assert att is not None
+                    self._exactly.replay_in_doubt(att.num_device_blocks, att.num_host_blocks,
+                                                  partial(self._transfers.execute, att=att))
+                    self._become_ready()
+                else:
+                    self._exactly.abandon_in_doubt()
+                    self._startup_barrier()
+
+    def _startup_barrier(self) -> None:
+        """All ranks attached before any reports READY."""
+        rank = self._rank
+        barrier = Barrier(rank.seg, rank.index, stale_after_s=rank.cfg.stale_after_s)
+        try:
+            barrier.wait(rank.cfg.attach_timeout_s, what="start-up barrier",
+                         cancelled=rank.stopping.is_set)
+        except KvswapError as exc:
+            if not rank.stopping.is_set():
+                rank.sm.fail(exc.code, exc.message)
+            return
+        finally:
+            barrier.close()
+        self._become_ready()
+
+    def _become_ready(self) -> None:
+        """ATTACHING -> READY; rank 0 writes the namespace's KvCacheStatus first, so a
+        client that sees every rank READY (wait_ready) also sees NORMAL."""
+        rank = self._rank
+        if rank.index == 0 and rank.sm.state is RankState.ATTACHING:
+            rank.seg.header[H.KVCACHE_STATUS] = KvCacheStatus.NORMAL
+        rank.sm.to(RankState.READY, only_from=frozenset({RankState.ATTACHING}))
+
+    def run_clear(self, job: Job, req: Request | None) -> dict:
+        """Drain, release the device mappings (and the pool if asked), barrier: every
+        rank reports CLEARED before any answers."""
+        rank, cfg = self._rank, self._rank.cfg
+        drained = poll_until(lambda: True if rank.sig[R.INFLIGHT] == 0 else None,
+                             time.monotonic() + cfg.drain_timeout_s)
+        if drained is None:
+            rank.sm.fail(ErrorCode.RANK_TIMEOUT, "clear: tasks did not drain")
+            raise KvswapError(f"rank {rank.index}: {rank.sig[R.INFLIGHT]} task(s) still "
+                              f"running after {cfg.drain_timeout_s:.0f}s",
+                              ErrorCode.RANK_TIMEOUT)
+        self._registrar.detach(free_host=bool(job.header.get("free_host")))
+        rank.sm.to(RankState.CLEARED)
+        barrier = Barrier(rank.seg, rank.index, stale_after_s=cfg.stale_after_s)
+        try:
+            barrier.wait(cfg.attach_timeout_s, what="clear barrier",
+                         cancelled=rank.stopping.is_set)
+        finally:
+            barrier.close()
+        if rank.index == 0:
+            rank.seg.header[H.KVCACHE_STATUS] = KvCacheStatus.CLEARED
+        return {}
+
+    # ---------------------------------------------------------------- I/O thread
+    def admit_clear(self, job: Job, req: Request | None) -> None:
+        rank = self._rank
+        if not rank.sm.to(RankState.CLEARING,
+                          only_from=frozenset({RankState.READY, RankState.PAUSED})):
+            raise NotReady(f"rank {rank.index} is {rank.sm.state.name}; clear needs READY or "
+                           f"PAUSED")
+        if rank.index == 0:
+            rank.seg.header[H.KVCACHE_STATUS] = KvCacheStatus.CLEARING
+        self._control.put(job)
+
+    def restore(self, job: Job, req: Request | None) -> dict:
+        """CLEARED -> ATTACHING: the worker registers its (new) tensors next."""
+        sm = self._rank.sm
+        if not sm.to(RankState.ATTACHING, only_from=frozenset({RankState.CLEARED})):
+            raise NotReady(f"rank {self._rank.index} is {sm.state.name}, not CLEARED")
+        self._registrar.forget()
+        if self._rank.cfg.demo_caches is not None:
+            self._registrar.create_demo_caches(rejoin=False)
+        return {}
+
+    def pause(self, job: Job, req: Request | None) -> dict | None:
+        """READY -> PAUSED; answered once every accepted transfer has finished."""
+        sm = self._rank.sm
+        if sm.state is not RankState.PAUSED:
+            if not sm.to(RankState.PAUSED, only_from=frozenset({RankState.READY})):
+                raise NotReady(f"rank {self._rank.index} is {sm.state.name}; only a READY rank "
+                               f"can pause")
+        self._io.answer_when_drained(job)
+        return None
+
+    def resume(self, job: Job, req: Request | None) -> dict:
+        sm = self._rank.sm
+        if sm.state is RankState.READY:
+            return {}
+        if not sm.to(RankState.READY, only_from=frozenset({RankState.PAUSED})):
+            raise NotReady(f"rank {self._rank.index} is {sm.state.name}, not PAUSED")
+        return {}
+
+    def ping(self, job: Job, req: Request | None) -> dict:
+        return {"state": self._rank.sm.state.name, "epoch": self._rank.sig[R.EPOCH],
+                "pid": os.getpid()}
+
+    def stats(self, job: Job, req: Request | None) -> dict:
+        counters = self._rank.seg.rank_snapshot(self._rank.index)
+        att = self._slot.current
+        if att is not None:
+            counters["merged_batches"] = att.scheduler.merged_batches
+            counters["queued"] = att.scheduler.pending
+        return {"counters": counters}
+
+    def shutdown(self, job: Job, req: Request | None) -> dict:
+        self.begin_stop(f"shutdown requested (request {job.req_id})")
+        return {}
+
+    def begin_stop(self, why: str) -> None:
+        """Refuse new work, end the control thread, answer every task that has not
+        started SHUTTING_DOWN; running ones finish (I/O thread)."""
+        rank = self._rank
+        if rank.stopping.is_set():
+            return
+        log.info("stopping: %s", why)
+        rank.stopping.set()
+        if rank.sm.state is not RankState.STOPPING:
+            rank.sm.to(RankState.STOPPING)
+        self._control.put(None)
+        att = self._slot.current
+        if att is not None:
+            now = time.perf_counter_ns()
+            for task in att.scheduler.stop():
+                self._exactly.settle(Completion.now(task.ctx, ErrorCode.SHUTTING_DOWN,
+                                                    f"rank {rank.index} is shutting down", now))
+
+    def workers_done(self) -> bool:
+        if self._thread is not None and self._thread.is_alive():
+            return False
+        att = self._slot.current
+        return att is None or att.scheduler.join(0)

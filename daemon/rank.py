@@ -1,0 +1,159 @@
+"""This rank's identity and the shared-memory state every part of the daemon
+writes through: the rank's slot in the signal segment, its state machine, its
+statistics, layer progress and agreement slots, and the heartbeat thread.
+
+:class:`RankContext` is opened once at start and closed last; every attribute
+is set in ``__init__`` and never rebound, so any thread may read it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+from kvswap.client.errors import ErrorCode, KvswapError, NotReady
+from kvswap.client.layer_progress import LayerProgress
+from kvswap.client.naming import Names
+from kvswap.client.signals import (
+    H,
+    R,
+    RankSignals,
+    RankState,
+    SignalSegment,
+    now_ns,
+    pid_alive,
+)
+from kvswap.daemon.agreement import Agreement
+from kvswap.daemon.config import DaemonConfig
+from kvswap.daemon.jobs import DaemonError
+from kvswap.daemon.state import StateMachine
+
+log = logging.getLogger("kvswap.daemon")
+
+_LIVE_STATES = frozenset({RankState.STARTING, RankState.ATTACHING, RankState.READY,
+                          RankState.PAUSED, RankState.CLEARING, RankState.CLEARED,
+                          RankState.STOPPING})
+
+
+class RankContext:
+    """What every part of one rank's daemon shares (all threads; none rebound)."""
+
+    def __init__(self, cfg: DaemonConfig, seg: SignalSegment, sig: RankSignals):
+        self.cfg = cfg
+        self.names = Names.of(cfg.namespace, cfg.run_root)
+        self.index = cfg.rank
+        self.seg = seg
+        self.sig = sig
+        self.epoch = int(sig[R.EPOCH])
+        self.sm = StateMachine(sig)  # any thread; serialised by its own lock
+        self.layers = LayerProgress(seg, cfg.rank)  # transfer workers (layer-wise loads)
+        self.stats = seg.stats(cfg.rank)  # I/O thread (the single writer of task statistics)
+        self.agreement = Agreement(seg, cfg.rank, cfg.stale_after_s)  # storage worker
+        self.stopping = threading.Event()  # set once by the I/O thread (Lifecycle.begin_stop)
+
+    @classmethod
+    def open(cls, cfg: DaemonConfig) -> "RankContext":
+        """Claim this rank's slot: refuse a rank another live daemon serves, start a
+        new epoch, reset what the previous incarnation left."""
+        seg = SignalSegment.attach(Names.of(cfg.namespace, cfg.run_root))
+        if seg.tp_size != cfg.tp_size:
+            raise DaemonError(f"namespace {cfg.namespace!r} has tp_size {seg.tp_size}, "
+                              f"daemon started with --tp {cfg.tp_size}")
+        if not 0 <= cfg.rank < cfg.tp_size:
+            raise DaemonError(f"rank {cfg.rank} out of range for tp {cfg.tp_size}")
+        sig = seg.rank(cfg.rank)
+        other = sig[R.PID]
+        if (seg.state_of(cfg.rank) in _LIVE_STATES and other and other != os.getpid()
+                and pid_alive(other)):
+            raise DaemonError(f"rank {cfg.rank} of namespace {cfg.namespace!r} is already "
+                              f"served by pid {other}")
+        sig[R.STATE] = RankState.ABSENT
+        sig[R.PID] = os.getpid()
+        sig.add(R.EPOCH, 1)
+        for f in (R.CACHE_READY, R.SWAP_READY, R.INFLIGHT, R.LAST_ERROR, R.SWAP_BYTES_TOTAL,
+                  R.SWAP_BYTES_PINNED):
+            sig[f] = 0
+        sig[R.HEARTBEAT_NS] = now_ns()
+        return cls(cfg, seg, sig)
+
+    def check_serving(self) -> None:
+        """Refuse a task unless this rank is READY and not stopping."""
+        if self.stopping.is_set():
+            raise KvswapError(f"rank {self.index} is shutting down", ErrorCode.SHUTTING_DOWN)
+        state = self.sm.state
+        if state is RankState.PAUSED:
+            raise KvswapError(f"rank {self.index} is PAUSED: resume() first", ErrorCode.PAUSED)
+        if state in (RankState.CLEARING, RankState.CLEARED):
+            raise KvswapError(f"rank {self.index} is {state.name}: caches were cleared for a "
+                              f"weight update; restore_caches() and re-register first",
+                              ErrorCode.CLEARED)
+        if state is not RankState.READY:
+            raise NotReady(f"rank {self.index} is {state.name}, not READY")
+
+    def check_epoch(self, header: dict) -> None:
+        """Refuse what was addressed to an earlier incarnation of this rank."""
+        ep = header.get("ep")
+        if ep is not None and len(ep) > self.index and ep[self.index] != self.epoch:
+            raise KvswapError(f"rank {self.index} restarted: it is at epoch {self.epoch}, the "
+                              f"task was addressed to epoch {ep[self.index]}",
+                              ErrorCode.RANK_RESTARTED)
+
+    def on_pin_progress(self, pinned: int) -> None:
+        """Host swap space pinning progress (control thread, during attach)."""
+        self.sig[R.SWAP_BYTES_PINNED] = pinned
+
+    def orphaned(self) -> str | None:
+        """Why this daemon has nobody left to serve, or None.
+
+        Orphaned = the launcher is gone AND the engine's heartbeat is older than
+        ``orphan_timeout_s`` (or never came).  Either one alone is not enough: an
+        engine may outlive a crashed launcher, and a launcher may wait for an
+        engine that is still loading."""
+        launcher = int(self.seg.header[H.LAUNCHER_PID])
+        if pid_alive(launcher):
+            return None
+        beat = int(self.seg.header[H.ENGINE_HEARTBEAT_NS])
+        age = (now_ns() - beat) / 1e9 if beat else None
+        if age is not None and age <= self.cfg.orphan_timeout_s:
+            return None
+        engine = "never beat" if age is None else f"silent for {age:.0f}s"
+        return f"launcher pid {launcher} is gone and the engine heartbeat {engine}"
+
+    def close(self) -> None:
+        """Release the shared-memory views (last, after every thread has stopped)."""
+        self.layers.close()
+        self.agreement.close()
+        self.seg.close()
+
+
+class Heartbeat:
+    """The heartbeat thread: ``heartbeat_ns`` every ``heartbeat_interval_s``, and a
+    clean stop (SIGTERM to itself) once the daemon is orphaned."""
+
+    def __init__(self, rank: RankContext):
+        self._rank = rank
+        self._stop = threading.Event()  # set by the thread that stops the daemon
+        self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _beat(self) -> None:
+        next_orphan_check = 0.0
+        while not self._stop.is_set():
+            self._rank.sig[R.HEARTBEAT_NS] = now_ns()
+            if time.monotonic() >= next_orphan_check:
+                next_orphan_check = time.monotonic() + 1.0
+                why = self._rank.orphaned()
+                if why:
+                    log.warning("orphaned: %s; exiting", why)
+                    os.kill(os.getpid(), signal.SIGTERM)  # the normal, clean stop path
+                    return
+            self._stop.wait(self._rank.cfg.heartbeat_interval_s)

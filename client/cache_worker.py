@@ -119,19 +119,34 @@ class CacheWorker:
         if arr.__array_interface__["data"][0] != base.__array_interface__["data"][0]:
             raise InvalidTask(f"tensor {t.name}: array does not start at its shm segment",
                               ErrorCode.BAD_LAYOUT)
+        # the inode tells the daemon which segment of that name (a restarted engine
+        # creates its segments again under the same names)
         return TensorDesc(t.name, int(t.layer), arr.dtype.str, tuple(arr.shape),
-                          {"shm": region.name})
+                          {"shm": region.name, "ino": region.inode})
 
     # ------------------------------------------------------------------ register
-    def register(self, tensors: Sequence[CacheTensor], timeout: float = 60.0) -> Reply:
+    def register(self, tensors: Sequence[CacheTensor], timeout: float = 60.0,
+                 replace: bool = False) -> Reply:
         """Export the rank's cache tensors to its daemon.
 
         Returns once the daemon has attached them and created its host swap space.
         The rank reports READY when every rank has registered (start-up barrier).
+
+        ``replace=True`` is for an engine restarted against a live namespace: this
+        worker's tensors replace those of its dead predecessor.  The layout (names,
+        layers, dtypes, block shapes) must be the one in effect; the daemon lets the
+        tasks it accepted finish, attaches the new tensors and keeps its host pool
+        with its contents (``reply.fields["host_pool_kept"]``), then is READY again
+        without waiting for the other ranks.  On a rank with nothing attached it is
+        an ordinary register.  See docs/operations.md, "Engine restarts".
         """
+        if not isinstance(replace, bool):
+            raise ValueError(f"replace must be a bool, got {replace!r}")
         descs = [self._describe(t) for t in tensors]
         validate_layout(descs)
         fields = {"backend": self.backend, "tensors": [d.to_wire() for d in descs]}
+        if replace:
+            fields["replace"] = True
         reply = self._request(Op.REGISTER, fields, timeout)
         self._layers = sorted({d.layer for d in descs})
         self.seg.header[H.ENGINE_HEARTBEAT_NS] = now_ns()  # the first beat, at once

@@ -33,7 +33,7 @@ import numpy as np
 
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, ProtocolError
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 4)
+PROTOCOL_VERSION: tuple[int, int] = (1, 5)
 
 # Request and task ids are non-negative int64: they key shm tables (layer progress,
 # agreement, the completion journal) that hold them as 64-bit integers.
@@ -155,7 +155,8 @@ OPS: dict[Op, OpSpec] = {
     spec.op: spec
     for spec in (
         OpSpec(Op.REGISTER, {"backend": str, "tensors": list}, 0, HandlerKind.SERIAL,
-               {"num_device_blocks": int, "num_host_blocks": int}),
+               {"num_device_blocks": int, "num_host_blocks": int, "host_pool_kept": bool},
+               {"replace": bool}),
         OpSpec(Op.EVICT, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, _COPY_REPLY,
                _TRANSFER_OPTIONAL, lane=Lane.TRANSFER, timed=True),
         OpSpec(Op.LOAD, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, _COPY_REPLY,

@@ -75,10 +75,13 @@ def _map_flags(populate: bool) -> int:
 
 
 class ShmRegion:
-    def __init__(self, name: str, buf: mmap.mmap, size: int, creator: bool):
+    def __init__(self, name: str, buf: mmap.mmap, size: int, creator: bool, inode: int = 0):
         self.name = name
         self.size = size
         self.creator = creator
+        # The segment's inode in /dev/shm: a name can be unlinked and created again (an
+        # engine restarted after a crash), the inode says which segment it was.
+        self.inode = inode
         self._buf: mmap.mmap | None = buf
 
     @classmethod
@@ -96,13 +99,14 @@ class ShmRegion:
             shm = posix_ipc.SharedMemory(name, flags, mode=SHM_MODE, size=size)
         try:
             buf = mmap.mmap(shm.fd, size, flags=_map_flags(populate))
+            inode = os.fstat(shm.fd).st_ino
         except BaseException:
             if exclusive:
                 unlink_shm(name)
             raise
         finally:
             shm.close_fd()
-        return cls(name, buf, size, creator=True)
+        return cls(name, buf, size, creator=True, inode=inode)
 
     @classmethod
     def attach(cls, name: str, min_size: int = 0, readonly: bool = False,
@@ -117,9 +121,10 @@ class ShmRegion:
             prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
             buf = mmap.mmap(shm.fd, shm.size, flags=_map_flags(populate), prot=prot)
             size = shm.size
+            inode = os.fstat(shm.fd).st_ino
         finally:
             shm.close_fd()
-        return cls(name, buf, size, creator=False)
+        return cls(name, buf, size, creator=False, inode=inode)
 
     def array(self, offset: int, shape: tuple[int, ...], dtype: np.dtype | str) -> np.ndarray:
         """A view of the region.  Built with ``np.frombuffer``, whose base is a

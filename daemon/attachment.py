@@ -26,11 +26,11 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
-from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError
+from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, NotReady
 from kvswap.client.layout import TensorDesc, demo_layout, layout_hash, validate_layout
 from kvswap.client.protocol import Op, Request, packb
 from kvswap.client.shm_region import ShmRegion
-from kvswap.client.signals import R, RankState
+from kvswap.client.signals import R, RankState, poll_until
 from kvswap.daemon.backend import Backend
 from kvswap.daemon.io_loop import IoLoop
 from kvswap.daemon.jobs import Completion, Job
@@ -107,6 +107,9 @@ class Registrar:
         self._registration: Registration | None = None  # I/O and control, under _lock
         self._lock = threading.Lock()
         self._kept_swap: HostSwapSpace | None = None  # control thread: kept by clear(free_host=False)
+        # I/O and control, under _lock: a replacing register failed after the old tensors
+        # were detached; the next register replaces too (the other ranks are READY)
+        self._replace_unfinished = False
         self._demo_regions: dict[str, ShmRegion] = {}  # control thread (I/O thread at start)
         self._path: Path = rank.names.run_dir / f"rank{rank.index}.register"
 
@@ -120,7 +123,10 @@ class Registrar:
         hdr = job.header
         with self._lock:
             state = rank.sm.state
-            if self._registration is not None or state is not RankState.ATTACHING:
+            replacing = bool(hdr.get("replace")) and self._registration is not None \
+                and state in (RankState.READY, RankState.PAUSED)
+            if not replacing and (self._registration is not None
+                                  or state is not RankState.ATTACHING):
                 self._answer_repeat(job, state)
                 return
             if hdr["backend"] != cfg.backend:
@@ -135,8 +141,37 @@ class Registrar:
                     f"--max-device-blocks {cfg.max_device_blocks} (it sizes the socket's "
                     f"frame limit); relaunch with a larger --max-device-blocks",
                     ErrorCode.BAD_LAYOUT)
+            if replacing:
+                self._admit_replace(job, state)
+            elif self._replace_unfinished:
+                job.replace = True
             self._registration = Registration([t.to_wire() for t in job.tensors])
         self._control.put(job)
+
+    def _admit_replace(self, job: Job, state: RankState) -> None:
+        """A register with ``replace`` on a rank that has caches attached: a restarted
+        engine's worker attaching its new tensors (caller holds the lock).
+
+        The host pool is kept only if its blocks mean the same thing under the new
+        tensors, so the layout (names, layers, dtypes, block shapes; ``layout_hash``)
+        must be the one in effect; the device block count may differ.  The rank goes
+        ATTACHING, which refuses transfers (NOT_READY) until the new tensors are
+        attached; the control thread first lets the running tasks finish."""
+        assert self._registration is not None
+        old = [TensorDesc.from_wire(t) for t in self._registration.tensors]
+        if layout_hash(old) != layout_hash(job.tensors):
+            diff = _layout_difference(old, job.tensors)
+            raise InvalidTask(
+                f"rank {self._rank.index}: a replacing register must keep the layout in "
+                f"effect, so the host pool keeps its meaning ({diff}); to change the layout "
+                f"call clear_caches(free_host=True) then restore_caches() on the "
+                f"TransferClient, or relaunch the namespace", ErrorCode.BAD_LAYOUT)
+        if not self._rank.sm.to(RankState.ATTACHING, only_from=frozenset({state})):
+            raise NotReady(f"rank {self._rank.index} is {self._rank.sm.state.name}; a "
+                           f"replacing register needs READY or PAUSED")
+        job.replace = True
+        log.info("register %s replaces the attached tensors (engine restart); the host pool "
+                 "is kept", job.req_id)
 
     def _answer_repeat(self, job: Job, state: RankState) -> None:
         """A register on a rank that has one in effect (caller holds the lock).
@@ -157,8 +192,9 @@ class Registrar:
         if differs:
             raise KvswapError(
                 f"rank {index} already has caches registered (state {state.name}) and this "
-                f"register is not the same ({differs}); to attach other tensors call "
-                f"clear_caches() then restore_caches() on the TransferClient and register "
+                f"register is not the same ({differs}); a restarted engine registers with "
+                f"replace=True (same layout; the host pool is kept); to change the layout "
+                f"call clear_caches() then restore_caches() on the TransferClient and register "
                 f"again, or relaunch the namespace", ErrorCode.ALREADY_REGISTERED)
         assert reg is not None
         if reg.reply is None:
@@ -174,20 +210,35 @@ class Registrar:
     def run(self, job: Job, req: Request | None) -> dict:
         """Attach the caches; repeats of this register that arrived meanwhile get the
         same answer.  Attaching is all or nothing: a failure leaves nothing
-        attached, so a new register may try again."""
+        attached, so a new register may try again.  A replacing register first
+        drains the running tasks and detaches the old tensors, keeping the pool."""
         try:
+            if job.replace and self._slot.current is not None:
+                self._drain("replacing register")
+                self.detach(free_host=False)
             fields = self._attach(job)
         except KvswapError as exc:
-            self._end(exc.code, exc.message, {}, attached=False)
+            self._end(exc.code, exc.message, {}, attached=False, replace=job.replace)
             raise
         except Exception as exc:  # the control loop logs it and answers INTERNAL_ERROR
             self._end(ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}", {},
-                      attached=False)
+                      attached=False, replace=job.replace)
             raise
         self._end(ErrorCode.OK, "", fields, attached=True)
         return fields
 
-    def _end(self, code: ErrorCode, message: str, fields: dict, attached: bool) -> None:
+    def _drain(self, what: str) -> None:
+        """Wait until no accepted task is running or queued on this rank."""
+        rank, cfg = self._rank, self._rank.cfg
+        if poll_until(lambda: True if rank.sig[R.INFLIGHT] == 0 else None,
+                      time.monotonic() + cfg.drain_timeout_s) is None:
+            rank.sm.fail(ErrorCode.RANK_TIMEOUT, f"{what}: tasks did not drain")
+            raise KvswapError(f"rank {rank.index}: {rank.sig[R.INFLIGHT]} task(s) still "
+                              f"running after {cfg.drain_timeout_s:.0f}s ({what})",
+                              ErrorCode.RANK_TIMEOUT)
+
+    def _end(self, code: ErrorCode, message: str, fields: dict, attached: bool,
+             replace: bool = False) -> None:
         """Record how the register ended and answer the repeats that waited for it.
         Nothing attached: forget it, so a new register may try."""
         now = time.perf_counter_ns()
@@ -198,6 +249,7 @@ class Registrar:
             reg.reply = (code, message, fields)
             if not attached:
                 self._registration = None
+            self._replace_unfinished = replace and not attached
         for waiter in waiters:
             self._io.complete(Completion.now(waiter, code, message, now, fields))
 
@@ -225,7 +277,10 @@ class Registrar:
             self._backend.detach()
             sig[R.SWAP_BYTES_TOTAL] = 0
             sig[R.SWAP_BYTES_PINNED] = 0
-            swap.close(unlink=not swap.reused)
+            if swap.reused:  # a pool with contents stays for the next register (or teardown)
+                self._kept_swap = swap
+            else:
+                swap.close(unlink=True)
             raise
         layers = sorted({t.layer for t in tensors})
         offsets = np.cumsum([0] + [t.bytes_per_block for t in tensors])
@@ -263,7 +318,7 @@ class Registrar:
                  len(tensors), len(layers), att.num_device_blocks, swap.nbytes / 2**20,
                  ", re-attached" if swap.reused else "")
         return {"num_device_blocks": att.num_device_blocks,
-                "num_host_blocks": att.num_host_blocks}
+                "num_host_blocks": att.num_host_blocks, "host_pool_kept": swap.reused}
 
     def detach(self, free_host: bool) -> None:
         """Clear: unpublish, stop the scheduler, release the device mappings (and the
@@ -351,3 +406,16 @@ class Registrar:
         header = {"backend": rank.cfg.backend, "tensors": [d.to_wire() for d in descs]}
         self.admit(Job(None, 0, Op.REGISTER, time.perf_counter_ns(), header, rejoin=rejoin),
                    None)
+
+
+def _layout_difference(old: list[TensorDesc], new: list[TensorDesc]) -> str:
+    """The first difference between two layouts, for an error message."""
+    if len(old) != len(new):
+        return f"{len(new)} tensors, not {len(old)}"
+    for a, b in zip(old, new):
+        for what, x, y in (("name", a.name, b.name), ("layer", a.layer, b.layer),
+                           ("dtype", a.dtype, b.dtype),
+                           ("block shape", a.block_shape, b.block_shape)):
+            if x != y:
+                return f"tensor {a.name!r}: {what} {y!r}, not {x!r}"
+    return "same layout"

@@ -87,6 +87,13 @@ class HostBackend:
                 except ValueError as exc:
                     raise InvalidTask(f"tensor {t.name}: {exc}", ErrorCode.BAD_LAYOUT) from None
                 regions.append(region)
+                ino = t.location.get("ino")
+                if ino is not None and ino != region.inode:
+                    raise InvalidTask(
+                        f"tensor {t.name}: shm segment {seg} is not the one the worker "
+                        f"described (inode {region.inode}, not {ino!r}): it was unlinked and "
+                        f"created again; register again with the segment as it is now",
+                        ErrorCode.BAD_LAYOUT)
                 pairs.append((region.array(0, t.shape, t.dtype), host))
         except BaseException:
             pairs.clear()

@@ -47,6 +47,7 @@ class Job:
     header: dict = field(default_factory=dict)
     tensors: list[TensorDesc] = field(default_factory=list)
     rejoin: bool = False  # re-attach after a restart: the other ranks are READY, no barrier
+    replace: bool = False  # register replacing the attached tensors (an engine restart)
     keys: np.ndarray | None = None  # storage ops: (n, 32) block keys
     jseq: int | None = None  # the task's completion-journal record, once admitted
 

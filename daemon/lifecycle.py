@@ -82,7 +82,9 @@ class Lifecycle:
                 log.warning("internal %s failed: [%d] %s", job.op.value, c.code, c.message)
             self._io.complete(c)
             if job.op is Op.REGISTER and c.code == ErrorCode.OK:
-                if job.rejoin:
+                if job.replace:  # the other ranks stay READY: no barrier to meet
+                    self._become_ready()
+                elif job.rejoin:
                     att = self._slot.current
                     assert att is not None
                     self._exactly.replay_in_doubt(att.num_device_blocks, att.num_host_blocks,

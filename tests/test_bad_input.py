@@ -324,7 +324,7 @@ def test_register_repeated_after_it_succeeded_gets_the_same_reply(namespaces):
         launcher.wait_ready(30)
         again = worker.register(tensors, timeout=10)
         assert again.ok and again.fields == first.fields == {
-            "num_device_blocks": 32, "num_host_blocks": HOST_BLOCKS}
+            "num_device_blocks": 32, "num_host_blocks": HOST_BLOCKS, "host_pool_kept": False}
         other = CacheTensor("k1", 0, worker.alloc_host_tensor("k1", (32, 256), "uint8"))
         with pytest.raises(NotReady) as ei:
             worker.register([tensors[0], other], timeout=10)
@@ -350,7 +350,8 @@ def test_register_sent_again_while_the_first_runs_is_answered_when_it_ends(names
             worker.register(tensors, timeout=0.005)
         reply = worker.register(tensors, timeout=60)
         assert reply.ok and reply.fields == {"num_device_blocks": blocks,
-                                             "num_host_blocks": host_blocks}
+                                             "num_host_blocks": host_blocks,
+                                             "host_pool_kept": False}
         launcher.wait_ready(30)
         assert "repeats the one being attached" in names.log_path(0).read_text()
         assert int(launcher.seg.ranks[0, R.FAILED]) == 0

@@ -1,0 +1,126 @@
+"""Engine restarts (#14): a worker killed with -9 and a new worker registering on the
+live namespace with ``replace=True``; loads from the kept host pool are verified.
+
+The engine workers of the first incarnation run in their own processes, so they
+can be killed the way a crashed engine dies; their device tensors are shm
+segments (host backend), which the test unlinks afterwards as the engine's own
+restart script would (the daemon still maps them until the replace detaches them).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from kvswap.client import CacheTensor, CacheWorker, TransferClient
+from kvswap.client.errors import ErrorCode, InvalidTask, NotReady
+from kvswap.client.shm_region import unlink_shm
+from kvswap.client.signals import RankState
+
+TP = 2
+BLOCKS = 32
+BLOCK_BYTES = 256
+HOST_BLOCKS = 64
+NAMES = ("k0", "v0")
+
+# One engine worker of the first incarnation: registers tensors whose block i holds
+# pattern(rank, tensor, i), says so, then waits to be killed.
+_WORKER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from kvswap.client import CacheTensor, CacheWorker
+    ns, run_root, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    worker = CacheWorker(ns, rank, run_root=run_root)
+    tensors = []
+    for t, name in enumerate({names!r}):
+        arr = worker.alloc_host_tensor(name, ({blocks}, {block_bytes}), "uint8")
+        for i in range({blocks}):
+            arr[i] = (np.arange({block_bytes}) * 7 + rank * 31 + t * 17 + i * 3) % 251
+        tensors.append(CacheTensor(name, 0, arr))
+    worker.register(tensors, timeout=30)
+    print("registered", flush=True)
+    sys.stdin.read()
+""").format(names=NAMES, blocks=BLOCKS, block_bytes=BLOCK_BYTES)
+
+
+def _pattern(rank: int, t: int, i: int) -> np.ndarray:
+    return ((np.arange(BLOCK_BYTES) * 7 + rank * 31 + t * 17 + i * 3) % 251).astype(np.uint8)
+
+
+def _new_worker(names, rank: int, tensor_names=NAMES) -> tuple[CacheWorker, list[CacheTensor]]:
+    worker = CacheWorker(names.namespace, rank, run_root=str(names.run_root))
+    tensors = [CacheTensor(n, 0, worker.alloc_host_tensor(n, (BLOCKS, BLOCK_BYTES), "uint8"))
+               for n in tensor_names]
+    return worker, tensors
+
+
+def test_new_engine_replaces_a_killed_one_and_loads_from_the_kept_pool(namespaces):
+    launcher = namespaces.launch(tp=TP, demo_caches=None, host_blocks=HOST_BLOCKS, wait=False)
+    names = launcher.names
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, names.namespace,
+                               str(names.run_root), str(r)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for r in range(TP)]
+    workers: list[CacheWorker] = []
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "registered"
+        launcher.wait_ready(30)
+        dev, host = list(range(16)), list(range(10, 26))
+        with TransferClient(names.namespace, TP, run_root=str(names.run_root)) as client:
+            assert all(r.ok for r in client.evict(dev, host).result(30).replies.values())
+        for p in procs:  # the engine crashes
+            p.kill()
+            p.wait(10)
+        for r in range(TP):
+            for n in NAMES:
+                unlink_shm(names.device_segment(r, n))
+
+        # the new engine's workers; first two registers that must change nothing
+        new_tensors = []
+        for r in range(TP):
+            worker, tensors = _new_worker(names, r)
+            workers.append(worker)
+            new_tensors.append(tensors)
+            with pytest.raises(NotReady) as plain:  # other tensors, no replace
+                worker.register(tensors, timeout=30)
+            assert plain.value.code == ErrorCode.ALREADY_REGISTERED
+            assert "replace=True" in plain.value.message
+        odd, odd_tensors = _new_worker(names, 0, ("x0", "y0"))
+        workers.append(odd)
+        with pytest.raises(InvalidTask) as bad:  # replace, but another layout
+            odd.register(odd_tensors, timeout=30, replace=True)
+        assert bad.value.code == ErrorCode.BAD_LAYOUT
+        assert "tensor 'k0': name 'x0', not 'k0'" in bad.value.message
+        assert "clear_caches(free_host=True)" in bad.value.message
+        assert [launcher.seg.state_of(r) for r in range(TP)] == [RankState.READY] * TP
+
+        for r in range(TP):
+            reply = workers[r].register(new_tensors[r], timeout=30, replace=True)
+            assert reply.ok and reply.fields["host_pool_kept"] is True
+            assert reply.fields["num_host_blocks"] == HOST_BLOCKS
+        with TransferClient(names.namespace, TP, run_root=str(names.run_root)) as client:
+            client.wait_ready(30)
+            for tensors in new_tensors:
+                assert not any(t.array[:16].any() for t in tensors)  # fresh, zeroed memory
+            assert all(r.ok for r in client.load(host, dev).result(30).replies.values())
+        for r, tensors in enumerate(new_tensors):
+            for t, ct in enumerate(tensors):
+                for i in dev:
+                    assert np.array_equal(ct.array[i], _pattern(r, t, i)), (r, ct.name, i)
+        log = names.log_path(0).read_text()
+        assert "replaces the attached tensors (engine restart)" in log
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+        for w in workers:
+            w.close()
+        for r in range(TP):
+            for n in NAMES:
+                unlink_shm(names.device_segment(r, n))

@@ -20,7 +20,7 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgpack
@@ -35,6 +35,7 @@ from kvswap.daemon.backend import Backend
 from kvswap.daemon.io_loop import IoLoop
 from kvswap.daemon.jobs import Completion, Job
 from kvswap.daemon.rank import RankContext
+from kvswap.daemon.registration import Registration, layout_difference
 from kvswap.daemon.scheduler import RunBatch, Scheduler
 from kvswap.daemon.storage_service import StorageService
 from kvswap.daemon.swap_space import HostSwapSpace
@@ -64,32 +65,6 @@ class AttachmentSlot:
 
     def __init__(self) -> None:
         self.current: Attachment | None = None  # control thread writes; any thread reads
-
-
-@dataclass
-class Registration:
-    """The register this rank is running or has run (see
-    :meth:`Registrar._answer_repeat`)."""
-
-    tensors: list[dict]  # canonical descriptors (TensorDesc.to_wire), locations included
-    reply: tuple[ErrorCode, str, dict] | None = None  # (code, message, fields) once it ended
-    waiters: list[Job] = field(default_factory=list)  # repeats answered when it ends
-
-    def difference(self, backend: str, header: dict) -> str:
-        """How a register's header differs from this one ("" when it is the same)."""
-        if header["backend"] != backend:
-            return f"backend {header['backend']!r}, not {backend!r}"
-        try:
-            tensors = [TensorDesc.from_wire(t).to_wire() for t in header["tensors"]]
-        except InvalidTask as exc:
-            return f"its descriptors are invalid: {exc.message}"
-        if len(tensors) != len(self.tensors):
-            return f"{len(tensors)} tensors, not {len(self.tensors)}"
-        for new, old in zip(tensors, self.tensors):
-            if new != old:
-                what = [k for k in old if new.get(k) != old[k]]
-                return f"tensor {old['name']!r} differs in {', '.join(what)}"
-        return ""
 
 
 class Registrar:
@@ -160,7 +135,7 @@ class Registrar:
         assert self._registration is not None
         old = [TensorDesc.from_wire(t) for t in self._registration.tensors]
         if layout_hash(old) != layout_hash(job.tensors):
-            diff = _layout_difference(old, job.tensors)
+            diff = layout_difference(old, job.tensors)
             raise InvalidTask(
                 f"rank {self._rank.index}: a replacing register must keep the layout in "
                 f"effect, so the host pool keeps its meaning ({diff}); to change the layout "
@@ -407,15 +382,3 @@ class Registrar:
         self.admit(Job(None, 0, Op.REGISTER, time.perf_counter_ns(), header, rejoin=rejoin),
                    None)
 
-
-def _layout_difference(old: list[TensorDesc], new: list[TensorDesc]) -> str:
-    """The first difference between two layouts, for an error message."""
-    if len(old) != len(new):
-        return f"{len(new)} tensors, not {len(old)}"
-    for a, b in zip(old, new):
-        for what, x, y in (("name", a.name, b.name), ("layer", a.layer, b.layer),
-                           ("dtype", a.dtype, b.dtype),
-                           ("block shape", a.block_shape, b.block_shape)):
-            if x != y:
-                return f"tensor {a.name!r}: {what} {y!r}, not {x!r}"
-    return "same layout"

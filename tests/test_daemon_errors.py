@@ -9,45 +9,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import zmq
 
 from kvswap.client import ErrorCode, TransferClient, TransferFailed
 from kvswap.client.block_keys import block_hashes, entry_name, model_fingerprint
 from kvswap.client.layout import TensorDesc, demo_layout, layout_hash
-from kvswap.client.protocol import KEY_BYTES, Op, decode_reply, encode_request, packb
+from kvswap.client.protocol import KEY_BYTES, Op, encode_request, packb
 from kvswap.client.signals import R, RankState, poll_until
 from kvswap.daemon.logs import LINE
 from kvswap.daemon.storage.file import shard_of
 
-from conftest import SMALL_LAYOUT
+from conftest import SMALL_LAYOUT, RawPeer
 
 HOST = 32
-
-
-class Peer:
-    """A raw DEALER: one request, its reply code."""
-
-    def __init__(self, endpoint: str):
-        self.ctx = zmq.Context(1)
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-
-    def ask(self, frames: list) -> tuple[ErrorCode, str]:
-        self.sock.send_multipart(frames)
-        assert self.sock.poll(10_000), "no reply within 10 s"
-        reply = decode_reply(self.sock.recv_multipart()[0])
-        return reply.code, reply.message
-
-    def close(self) -> None:
-        self.sock.close()
-        self.ctx.term()
 
 
 @pytest.fixture
 def peer(namespaces):
     launcher = namespaces.launch(tp=1, demo_caches=SMALL_LAYOUT, host_blocks=HOST)
-    p = Peer(launcher.names.endpoint(0))
+    p = RawPeer(launcher.names.endpoint(0))
     try:
         yield launcher, p
     finally:
@@ -57,11 +36,10 @@ def peer(namespaces):
 def test_a_rejected_request_leaves_its_code_in_last_error(peer):
     launcher, p = peer
     assert launcher.seg.ranks[0, R.LAST_ERROR] == 0
-    code, _ = p.ask([packb({"v": [99, 0], "id": 1, "op": "ping"})])
-    assert code == ErrorCode.VERSION_MISMATCH
+    assert p.ask([packb({"v": [99, 0], "id": 1, "op": "ping"})]).code == \
+        ErrorCode.VERSION_MISMATCH
     assert launcher.seg.ranks[0, R.LAST_ERROR] == ErrorCode.VERSION_MISMATCH
-    code, _ = p.ask(encode_request(Op.PING, 2))  # a request that succeeds changes nothing
-    assert code == ErrorCode.OK
+    assert p.ask(encode_request(Op.PING, 2)).code == ErrorCode.OK  # success changes nothing
     assert launcher.seg.ranks[0, R.LAST_ERROR] == ErrorCode.VERSION_MISMATCH
 
 
@@ -69,10 +47,8 @@ def test_values_a_peer_sends_cannot_forge_or_flood_a_log_line(peer):
     launcher, p = peer
     forged = "2026-01-01 00:00:00.000 rank0 ERROR kvswap.daemon: FORGED"
     evil = "x" * 5000 + "\n" + forged + "\r\n" + forged
-    code, _ = p.ask([packb({"v": [1, 0], "id": 3, "op": evil})])
-    assert code == ErrorCode.UNKNOWN_OP
-    code, _ = p.ask(encode_request(Op.PING, 4))  # the rejection is logged before this reply
-    assert code == ErrorCode.OK
+    assert p.ask([packb({"v": [1, 0], "id": 3, "op": evil})]).code == ErrorCode.UNKNOWN_OP
+    assert p.ask(encode_request(Op.PING, 4)).code == ErrorCode.OK  # logged before this reply
     log = launcher.names.log_path(0).read_text()
     lines = log.splitlines()
     assert any("rejected request 3" in line and "unknown op" in line for line in lines), log
@@ -97,13 +73,13 @@ def test_a_demo_register_that_fails_makes_the_rank_failed(namespaces):
 def test_exists_refuses_more_keys_than_host_blocks_naming_the_limit(namespaces, tmp_path):
     launcher = namespaces.launch(tp=1, demo_caches=SMALL_LAYOUT, host_blocks=HOST,
                                  storage_url=f"file://{tmp_path}/store")
-    p = Peer(launcher.names.endpoint(0))
+    p = RawPeer(launcher.names.endpoint(0))
     try:
         for n, want in ((HOST, ErrorCode.OK), (HOST + 1, ErrorCode.MESSAGE_TOO_LARGE)):
             keys = np.zeros((n, KEY_BYTES), dtype=np.uint8)
-            code, message = p.ask(encode_request(Op.EXISTS, n, {"n": n}, [keys]))
-            assert code == want, message
-        assert f"{HOST + 1} keys, more than the {HOST} host blocks" in message
+            reply = p.ask(encode_request(Op.EXISTS, n, {"n": n}, [keys]))
+            assert reply.code == want, reply.message
+        assert f"{HOST + 1} keys, more than the {HOST} host blocks" in reply.message
     finally:
         p.close()
 

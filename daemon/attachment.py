@@ -362,8 +362,8 @@ class Registrar:
             log.info("restart (epoch %d): re-attaching the caches registered before",
                      self._rank.epoch)
         except (KvswapError, ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
-            log.warning("restart: cannot re-attach from %s (%s); waiting for the worker to "
-                        "register again", self._path, exc)
+            log.warning("restart: cannot re-attach from %s (%.200r); waiting for the worker "
+                        "to register again", self._path, str(exc))
 
     def create_demo_caches(self, rejoin: bool) -> None:
         """--demo-caches: simulated device tensors owned by this daemon, registered

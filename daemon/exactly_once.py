@@ -108,8 +108,8 @@ class ExactlyOnce:
                                 ctx=job)
                     (done,) = execute([task])
             self.record(done)
-            log.warning("replayed %s %d, interrupted by a crash: [%d] %s", d.op.value, d.task_id,
-                        done.code, done.message or "OK")
+            log.warning("replayed %s %d, interrupted by a crash: [%d] %.200r", d.op.value,
+                        d.task_id, done.code, done.message or "OK")
 
     def abandon_in_doubt(self) -> None:
         """A register of new tensors: tasks a crash interrupted cannot be replayed onto

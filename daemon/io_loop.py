@@ -233,7 +233,10 @@ class IoLoop:
         route.sock.send_multipart([route.ident, *frames], copy=False)
 
     def reject(self, route: Route | None, req_id: int | None, op: str, exc: KvswapError) -> None:
-        log.warning("rejected %s %s: %s", op, req_id, exc)
+        # %.200r: the message quotes what a peer sent; repr escapes line breaks and the
+        # precision cuts it, so no value can forge or flood a log line.
+        log.warning("rejected %s %.200r: [%d] %.200r", op, req_id, exc.code, exc.message)
+        self._rank.sm.note_error(exc.code)
         self._rank.sig.add(R.FAILED, 1)
         self._rank.stats.error(exc.code)
         self.reply(route, req_id, exc.code, exc.message)
@@ -307,6 +310,8 @@ class IoLoop:
                 stats.record(timed, 0, (c.t_start - job.t_recv) / 1e3)
                 stats.record(timed, 1, (c.t_end - c.t_start) / 1e3)
             crashpoints.hit("reply.before")
+        if c.code not in (ErrorCode.OK, ErrorCode.CANCELLED):
+            self._rank.sm.note_error(c.code)
         self.reply(job.route, job.req_id, c.code, c.message,
                    queued_us=(c.t_start - job.t_recv) / 1e3,
                    exec_us=(c.t_end - c.t_start) / 1e3, fields=c.fields)

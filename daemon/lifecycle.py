@@ -78,8 +78,13 @@ class Lifecycle:
                 log.exception("%s failed unexpectedly", job.op.value)
                 c = Completion(job, ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}",
                                t_start, time.perf_counter_ns())
-            if job.route is None and c.code != ErrorCode.OK:
-                log.warning("internal %s failed: [%d] %s", job.op.value, c.code, c.message)
+            if c.code != ErrorCode.OK:
+                log.warning("%s%s %s failed: [%d] %.200r", "internal " if job.route is None else "",
+                            job.op.value, job.req_id, c.code, c.message)
+                if job.op is Op.REGISTER and job.route is None and rank.cfg.demo_caches is not None:
+                    # Nobody else will register the daemon's own caches: ATTACHING forever
+                    # would only end at the launcher's timeout, without the reason.
+                    rank.sm.fail(c.code, f"attaching the demo caches failed: {c.message}")
             self._io.complete(c)
             if job.op is Op.REGISTER and c.code == ErrorCode.OK:
                 if job.replace:  # the other ranks stay READY: no barrier to meet

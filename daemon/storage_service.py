@@ -96,6 +96,7 @@ class StorageService:
         assert att is not None  # READY implies attached
         n = req.header["n"]
         if req.op is Op.EXISTS:
+            validate_storage(req.op, None, n, att.num_host_blocks)  # the keys per message
             host = np.empty(0, dtype=np.int64)
             job.keys = decode_keys(req.frames[0], n)
         else:
@@ -151,22 +152,11 @@ class StorageService:
                  for name, h, there in zip(names, host_ids.tolist(), present) if not there]
         return sum(self._backend.put(items)) if items else 0
 
-    def _prefetch(self, att: "Attachment", task: Task, names: list[str]) -> int:
-        """Load the longest prefix every rank holds intact; return its length.
-
-        Each rank reads and verifies its leading entries into a staging area,
-        stopping at the first missing or corrupt one (never used).  Round 0 agrees
-        on the minimum verified count; round 1 commits it (a rank may still cancel
-        or give up while waiting in round 0, never after posting round 1).  Only
-        then does each rank copy exactly that many into its host blocks."""
-        backend, rank = self._backend, self._rank
+    def _read_verified(self, att: "Attachment", names: list[str]) -> list[memoryview]:
+        """The payloads of the longest prefix of ``names`` stored intact here.  A
+        corrupt entry ends the prefix and is deleted; a store that fails raises."""
+        backend = self._backend
         assert backend is not None
-        task_id = task.ctx.req_id
-
-        def cancelled() -> bool:
-            return task.cancel_requested or rank.stopping.is_set()
-
-        timeout = rank.cfg.storage_timeout_s
         raws = backend.get(names, self._staging(len(names), att.block_bytes)) if names else []
         end = next((i for i, raw in enumerate(raws) if raw is None), len(raws))
 
@@ -182,6 +172,7 @@ class StorageService:
             if isinstance(result, CorruptEntry):
                 if name not in self._reported_corrupt and len(self._reported_corrupt) < 100_000:
                     self._reported_corrupt.add(name)
+                    # names are entry_name()'s hex and digits, never a peer's raw text
                     log.warning("storage entry %s is unusable (%s); treated as a miss and "
                                 "deleted", name, result)
                 # stores never overwrite (a backup skips existing names): remove it so
@@ -189,6 +180,29 @@ class StorageService:
                 backend.delete([name])
                 break
             verified.append(result)
+        return verified
+
+    def _prefetch(self, att: "Attachment", task: Task, names: list[str]) -> int:
+        """Load the longest prefix every rank holds intact; return its length.
+
+        Each rank reads and verifies its leading entries into a staging area,
+        stopping at the first missing or corrupt one (never used).  Round 0 agrees
+        on the minimum verified count; round 1 commits it (a rank may still cancel
+        or give up while waiting in round 0, never after posting round 1).  Only
+        then does each rank copy exactly that many into its host blocks."""
+        rank = self._rank
+        task_id = task.ctx.req_id
+
+        def cancelled() -> bool:
+            return task.cancel_requested or rank.stopping.is_set()
+
+        timeout = rank.cfg.storage_timeout_s
+        try:
+            verified = self._read_verified(att, names)
+        except BaseException:
+            # The peers wait for this rank's round 0: tell them now, not at their timeout.
+            rank.agreement.abort(task_id, last_round=1)
+            raise
         agreed = rank.agreement.agree(task_id, 0, len(verified), timeout, cancelled,
                                       last_round=1)
         final = rank.agreement.agree(task_id, 1, agreed, timeout, cancelled, last_round=1)

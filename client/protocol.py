@@ -266,9 +266,10 @@ def decode_request(frames: Sequence[Any], max_header_bytes: int = MAX_HEADER_BYT
     spec = OPS[op]
     check_fields(header, spec, req_id)
     for name, t in COMMON_OPTIONAL.items():
-        value = header.get(name)
-        if value is not None and (not _is_type(value, t)
-                                  or (t is int and not 0 <= value < ID_LIMIT)):
+        if name not in header:
+            continue
+        value = header[name]  # present means typed: a nil cid/cs would reach the journal
+        if not _is_type(value, t) or (t is int and not 0 <= value < ID_LIMIT):
             raise RequestError(ErrorCode.BAD_FIELD,
                                f"header field {name!r} must be {_type_name(t)}"
                                f"{' in [0, 2**63)' if t is int else ''}, got {value!r}", req_id)

@@ -422,3 +422,16 @@ def test_ids_outside_int64_are_refused_before_they_reach_a_shm_table(bad):
     with pytest.raises(RequestError) as exc:
         decode_batch(req)
     assert exc.value.code == ErrorCode.BAD_FIELD and "batch task 0" in exc.value.message
+
+
+@pytest.mark.parametrize("name, value", [("cid", None), ("cs", None), ("re", None),
+                                         ("cs", -1), ("cid", "1"), ("re", 1)])
+def test_client_fields_present_but_mistyped_are_refused(name, value):
+    """cid/cs/re present with nil or another type are BAD_FIELD at decoding (a nil cs
+    used to pass as absent and fail in the journal with INTERNAL_ERROR; fuzz finding)."""
+    from kvswap.client.protocol import RequestError, decode_request, packb
+
+    header = {"v": list(PROTOCOL_VERSION), "id": 7, "op": "ping", name: value}
+    with pytest.raises(RequestError) as exc:
+        decode_request([packb(header)])
+    assert exc.value.code == ErrorCode.BAD_FIELD and repr(name) in exc.value.message

@@ -283,6 +283,16 @@ def decode_request(frames: Sequence[Any], max_header_bytes: int = MAX_HEADER_BYT
     return Request(req_id, op, header, list(frames[1:]))
 
 
+def peek_request_id(header_frame: Any) -> int | None:
+    """The id a refusal of this request carries, from its header frame alone (None when
+    the header has no valid id): how a daemon answers a message it will not read in
+    full, one with more than :data:`MAX_FRAMES` frames, under its id."""
+    try:
+        return decode_request([header_frame]).id
+    except RequestError as exc:
+        return exc.req_id
+
+
 def check_fields(fields: Mapping[str, Any], spec: OpSpec, req_id: int | None) -> None:
     """Required fields present with their types; optional ones typed when present."""
     for name, t in spec.fields.items():

@@ -34,6 +34,7 @@ from kvswap.client.protocol import (
     decode_request,
     encode_reply,
     max_frame_bytes,
+    peek_request_id,
 )
 from kvswap.client.signals import HIST_OPS, R
 from kvswap.daemon import crashpoints
@@ -246,7 +247,10 @@ class IoLoop:
         t_recv = time.perf_counter_ns()
         route = Route(sock, frames[0].bytes, signed)
         if dropped:
-            self.reject(route, None, "request", KvswapError(
+            # Under its id on ipc://; on tcp:// the MAC covers frames never read, so the
+            # header is not authenticated and its id is not echoed (as for a bad MAC).
+            req_id = None if signed else peek_request_id(frames[1].buffer)
+            self.reject(route, req_id, "request", KvswapError(
                 f"message of {len(frames) - 1 + dropped} frames; a request has at most "
                 f"{MAX_FRAMES} (a header and two id frames per batch task"
                 f"{', after the MAC' if signed else ''}), the rest were discarded unread",

@@ -193,13 +193,17 @@ class Journal:
         """Adopt the journal an earlier incarnation of this rank left, or create one.
 
         An existing journal keeps its own capacity and arena size (its records are
-        laid out for them); a segment that is not a whole journal is replaced."""
+        laid out for them); a segment that is not a whole journal is replaced.  The
+        mapping is populated here (MAP_POPULATE), as the host pool is at register:
+        recording a task never takes a page fault, and the rank's memory does not
+        creep up by the journal's size as its ring fills (a fuzz run read that as
+        a leak)."""
         if capacity < 1 or arena_bytes < 4096:
             raise ValueError(f"journal needs >= 1 record and >= 4096 arena bytes, got "
                              f"{capacity} and {arena_bytes}")
         name = names.journal_segment(rank)
         try:
-            region = ShmRegion.attach(name, min_size=HEADER.size)
+            region = ShmRegion.attach(name, min_size=HEADER.size, populate=True)
         except posix_ipc.ExistentialError:
             region = None
         if region is not None:
@@ -209,7 +213,7 @@ class Journal:
             region.close()
             unlink_shm(name)
         region = ShmRegion.create(name, cls.segment_bytes(capacity, arena_bytes),
-                                  exclusive=False)
+                                  exclusive=False, populate=True)
         buf = region.array(0, (HEADER.size,), np.uint8)
         HEADER.pack_into(buf, 0, 0, capacity, arena_bytes, 0, 0, 0, 0, 0)
         struct.pack_into("<Q", buf, 0, MAGIC)  # last: a half-made journal is not one

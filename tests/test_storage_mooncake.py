@@ -391,3 +391,20 @@ def test_two_namespaces_share_one_master(master, nodes):
     assert b.client.prefetch(keys, [7, 8, 9, 10]).result().count == 4
     b.client.load([7, 8, 9, 10], [20, 21, 22, 23]).result()
     assert b.has([20, 21, 22, 23], [101, 102, 103, 104])
+
+
+def test_bench_storage_mooncake_auto_measures_both_rows(capsys):
+    """The bench starts and stops its own master, and the backend row copies headers only."""
+    import json
+
+    from kvswap.daemon.cli import main
+
+    if find_master() is None:
+        pytest.skip("mooncake_master is not installed (pip install 'kvswap[mooncake]')")
+    assert main(["bench", "storage", "--mooncake", "auto", "--blocks", "4", "--repeat", "1",
+                 "--json"]) == 0
+    rows = {r["backend"]: r for r in json.loads(capsys.readouterr().out)["storage"]}
+    assert {"file", "mooncake", "mooncake-backend"} <= set(rows)
+    assert rows["mooncake-backend"]["copied_per_entry"] == HEADER_BYTES
+    assert all(rows[k]["backup_gbps"] > 0 and rows[k]["prefetch_gbps"] > 0
+               for k in ("mooncake", "mooncake-backend"))

@@ -53,7 +53,7 @@ def master():
 @pytest.fixture
 def backend(master):
     b = open_backend(master.url(segment="32M", buffer="16M", timeout_s=2,
-                                connect_timeout_s=1))
+                                connect_timeout_s=1, copy_below=0))
     yield b
     b.close()
 
@@ -91,6 +91,24 @@ def test_zero_copy_round_trip_from_registered_memory(backend):
     for i, raw in enumerate(got):
         assert np.shares_memory(np.frombuffer(raw, np.uint8), stage)  # read in place
         assert bytes(unpack_entry(raw, FP, ROW)) == pool[i].tobytes()
+
+
+def test_small_parts_are_gathered_into_one(master):
+    """Under copy_below, an entry's parts are copied side by side and put as one."""
+    b = open_backend(master.url(segment="32M", copy_below="8K"))
+    try:
+        pool = _pool(4)
+        b.register_buffers("host", [pool])
+        halves = [pool[0][:ROW // 2], pool[0][ROW // 2:]]  # adjacent anyway: split them up
+        parts = [pool[1], pool[2][:100], pool[3]]
+        assert b.put([("kvswap.t.r0.a", pack_entry(FP, parts)),
+                      ("kvswap.t.r0.b", pack_entry(FP, halves))]) == [True, True]
+        assert b.bounced_bytes == 2 * HEADER_BYTES + 2 * ROW + 100 + ROW
+        a, whole = b.get(["kvswap.t.r0.a", "kvswap.t.r0.b"])
+        assert bytes(unpack_entry(a, FP, 2 * ROW + 100)) == b"".join(bytes(p) for p in parts)
+        assert bytes(unpack_entry(whole, FP, ROW)) == pool[0].tobytes()
+    finally:
+        b.close()
 
 
 def test_copy_path_and_put_if_absent(backend):

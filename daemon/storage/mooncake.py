@@ -10,9 +10,12 @@ through it across nodes.  Each entry is one object.
 and its prefetch staging area (role ``"staging"``) with
 :meth:`MooncakeBackend.register_buffers`.  ``put`` then hands Mooncake each
 entry as a list of (address, length) parts, ``batch_put_from_multi_buffers``,
-which the transfer engine reads where they lie; only the 52-byte entry header
-(and any part outside registered memory) is first copied into a small
-registered *bounce* area owned by the backend.  ``get`` with registered
+which the transfer engine reads where they lie; only the 52-byte entry header,
+any part outside registered memory and any part under ``copy_below`` bytes are
+first copied into a registered *bounce* area owned by the backend, where an
+entry's copied parts lie side by side and travel as one.  (The TCP transport
+moves every part as a transfer of its own: for 8 parts of 32 KiB per entry,
+gathering them first was 1.4x faster here than sending them in place.)  ``get`` with registered
 ``into`` buffers reads each entry in place (``batch_get_into``); without them it
 falls back to ``get_batch``, which returns new bytes objects.
 
@@ -114,6 +117,7 @@ _OPTIONS: dict[str, Callable[[str], object]] = {
     "buffer": parse_size,
     "timeout_s": parse_seconds,
     "connect_timeout_s": parse_seconds,
+    "copy_below": _parse_nonnegative_size,
 }
 
 
@@ -131,6 +135,7 @@ class MooncakeSettings:
     buffer: int = 64 << 20
     timeout_s: float = 5.0
     connect_timeout_s: float = 2.0
+    copy_below: int = 64 << 10  # parts smaller than this are gathered into the bounce area
 
     @property
     def master(self) -> str:
@@ -160,7 +165,8 @@ class MooncakeSettings:
                    buffer=int(opts.get("buffer", cls.buffer)),  # type: ignore[call-overload]
                    timeout_s=float(opts.get("timeout_s", cls.timeout_s)),  # type: ignore[arg-type]
                    connect_timeout_s=float(opts.get("connect_timeout_s",  # type: ignore[arg-type]
-                                                    cls.connect_timeout_s)))
+                                                    cls.connect_timeout_s)),
+                   copy_below=int(opts.get("copy_below", cls.copy_below)))  # type: ignore[call-overload]
 
 
 def _address(buf: Buffer) -> tuple[int, int]:
@@ -379,9 +385,12 @@ class MooncakeBackend:
     def _place(self, store: MooncakeDistributedStore, parts: list[Sequence[Buffer]],
                spans: list[list[tuple[int, int]]]) -> tuple[list[list[int]], list[list[int]]]:
         """Per entry, the addresses and lengths to put: registered parts as they lie,
-        the others copied into the bounce area (call thread only)."""
+        the others (and those under ``copy_below``) copied into the bounce area, where
+        an entry's copied parts lie side by side and go as one (call thread only)."""
+        small = self.settings.copy_below
         outside = [(e, j) for e, entry in enumerate(spans) for j, (addr, size) in
-                   enumerate(entry) if size and not self._regions.covers(addr, size)]
+                   enumerate(entry)
+                   if size and (size < small or not self._regions.covers(addr, size))]
         offsets = np.cumsum([0] + [spans[e][j][1] for e, j in outside])
         if self._bounce.reserve(int(offsets[-1])) is not None:
             self._sync_registration(store)
@@ -392,9 +401,20 @@ class MooncakeBackend:
             self._bounce.array[off:off + view.nbytes] = np.frombuffer(view, np.uint8)
             self.bounced_bytes += view.nbytes
             moved[e, j] = base + off
-        ptrs = [[moved.get((e, j), addr) for j, (addr, size) in enumerate(entry) if size]
-                for e, entry in enumerate(spans)]
-        sizes = [[size for _, size in entry if size] for entry in spans]
+        ptrs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        for e, entry in enumerate(spans):
+            p: list[int] = []
+            n: list[int] = []
+            for j, (addr, size) in enumerate(entry):
+                addr = moved.get((e, j), addr)
+                if p and p[-1] + n[-1] == addr:  # adjacent parts go as one
+                    n[-1] += size
+                elif size:
+                    p.append(addr)
+                    n.append(size)
+            ptrs.append(p)
+            sizes.append(n)
         return ptrs, sizes
 
     def get(self, names: Sequence[str],

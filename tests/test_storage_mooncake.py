@@ -397,6 +397,37 @@ def test_master_killed_fails_storage_ops_within_the_timeout_and_swaps_go_on(mast
     assert c.prefetch(keys, [5, 6]).result().count == 2
 
 
+def test_frozen_master_times_out_a_prefetch_while_swaps_go_on(master, nodes):
+    """A master that stops answering mid-run: the prefetch fails with STORAGE_TIMEOUT
+    within the URL's timeout_s (3 s) on every rank, and swaps run meanwhile."""
+    node = nodes(_daemon_url(master))
+    c = node.client
+    keys = _keys(2, salt=12)
+    c.evict([1, 2], [0, 1]).result()
+    assert c.backup([0, 1], keys).result().count == 2
+    master.freeze(True)
+    try:
+        t0 = time.monotonic()
+        fut = c.prefetch(keys, [5, 6])
+        assert c.evict([3], [3]).result(10).replies[0].ok  # while the prefetch is stuck
+        assert c.load([3], [4]).result(10).replies[1].ok
+        with pytest.raises(TransferFailed) as ei:
+            fut.result()
+        assert time.monotonic() - t0 < 3 + 3  # timeout_s, and a margin for the answer
+        assert {f.code for f in ei.value.failures} == {ErrorCode.STORAGE_TIMEOUT}
+        assert len(ei.value.failures) == 2
+    finally:
+        master.freeze(False)
+    deadline = time.monotonic() + 20
+    while True:  # the stuck calls return once the master answers; then all works again
+        try:
+            assert c.prefetch(keys, [5, 6]).result().count == 2
+            break
+        except TransferFailed:
+            assert time.monotonic() < deadline, "storage did not recover after the freeze"
+            time.sleep(0.2)
+
+
 def test_two_namespaces_share_one_master(master, nodes):
     """Node A backs up; node B (another launch, other shm, same model) prefetches."""
     url = _daemon_url(master)

@@ -49,6 +49,7 @@ segments fill up (its ``--eviction_high_watermark_ratio``).
 from __future__ import annotations
 
 import bisect
+import logging
 import socket
 import threading
 import urllib.parse
@@ -71,6 +72,8 @@ from kvswap.daemon.storage import (
     url_options,
 )
 from kvswap.daemon.options import parse_size
+
+log = logging.getLogger("kvswap.daemon.storage")
 
 DEFAULT_PORT = 50051  # mooncake_master's default RPC port
 DEFAULT_METADATA_PORT = 8080  # its default --http_metadata_server_port
@@ -237,7 +240,7 @@ class MooncakeBackend:
         self._regions = _Regions()
         self._registered: list[tuple[int, int]] = []  # what the store client holds now
         self._bounce = _Bounce()
-        self._dirty = False  # roles changed while a stuck call kept the client busy
+        self._dirty = False  # roles changed since the client last registered
         self.bounced_bytes = 0  # copied into the bounce area by puts (headers, stray parts)
         self._closed = False
 
@@ -266,8 +269,16 @@ class MooncakeBackend:
         with self._lock:  # held by _call while a call runs: no transfer is using them now
             self._regions.set(role, spans)
             self._dirty = True
-            if self._store is not None and (self._stuck is None or self._stuck.done()):
-                self._sync_registration(self._store)
+            connected = self._store is not None
+        if connected:
+            # Registering talks to the metadata server (the master's, usually): on the
+            # call thread, within timeout_s.  If that fails, the next call registers
+            # first (and fails if it cannot), so no transfer uses stale registrations.
+            try:
+                self._call(f"register {role} buffers", lambda store: None)
+            except StorageError as exc:
+                log.warning("%s: registering %s buffers deferred to the next call: %s",
+                            self.where, role, exc)
 
     def _sync_registration(self, store: MooncakeDistributedStore) -> None:
         """Bring the client's registered ranges to the roles' ranges plus the bounce area."""

@@ -175,11 +175,11 @@ def test_frozen_master_times_out_and_later_calls_fail_fast_until_it_answers(mast
         t0 = time.monotonic()
         with pytest.raises(StorageTimeout, match="no answer within 2 s"):
             backend.contains(["kvswap.t.r0.a"])
-        assert 1.9 < time.monotonic() - t0 < 4
+        assert 1.9 < time.monotonic() - t0 < 2 + 3  # timeout_s, and a margin for a busy VM
         t1 = time.monotonic()
         with pytest.raises(StorageTimeout, match="earlier call"):
             backend.get(["kvswap.t.r0.a"])
-        assert time.monotonic() - t1 < 0.5  # refused at once, not queued behind the stuck call
+        assert time.monotonic() - t1 < 1.5  # refused at once, not queued behind the stuck call
     finally:
         master.freeze(False)
     assert _until(lambda: backend.contains(["kvswap.t.r0.a"])) == [True]

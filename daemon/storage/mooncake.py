@@ -50,10 +50,11 @@ from __future__ import annotations
 
 import bisect
 import logging
+import queue
 import socket
 import threading
 import urllib.parse
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
@@ -157,19 +158,11 @@ class MooncakeSettings:
         if parts.path not in ("", "/") or parts.username or parts.password:
             raise ValueError(f"storage URL {url!r}: want mooncake://MASTER_HOST:PORT?options, "
                              "without a path or user")
+        # each option is named as its field, and its parser returns the field's type
         opts = url_options(url, parts.query, _OPTIONS)
-        default_metadata = f"http://{parts.hostname}:{DEFAULT_METADATA_PORT}/metadata"
+        metadata = f"http://{parts.hostname}:{DEFAULT_METADATA_PORT}/metadata"
         return cls(master_host=parts.hostname, master_port=port,
-                   metadata=str(opts.get("metadata", default_metadata)),
-                   protocol=str(opts.get("protocol", "tcp")),
-                   device=str(opts.get("device", "")),
-                   local_hostname=opts.get("local_hostname"),  # type: ignore[arg-type]
-                   segment=int(opts.get("segment", cls.segment)),  # type: ignore[call-overload]
-                   buffer=int(opts.get("buffer", cls.buffer)),  # type: ignore[call-overload]
-                   timeout_s=float(opts.get("timeout_s", cls.timeout_s)),  # type: ignore[arg-type]
-                   connect_timeout_s=float(opts.get("connect_timeout_s",  # type: ignore[arg-type]
-                                                    cls.connect_timeout_s)),
-                   copy_below=int(opts.get("copy_below", cls.copy_below)))  # type: ignore[call-overload]
+                   **{"metadata": metadata, **opts})  # type: ignore[arg-type]
 
 
 def _address(buf: Buffer) -> tuple[int, int]:
@@ -188,16 +181,16 @@ class _Regions:
     """Registered address ranges by role, for "is this part in registered memory?"."""
 
     def __init__(self) -> None:
-        self.by_role: dict[str, list[tuple[int, int]]] = {}
+        self._by_role: dict[str, list[tuple[int, int]]] = {}
         self._starts: list[int] = []
         self._spans: list[tuple[int, int]] = []
 
     def set(self, role: str, spans: list[tuple[int, int]]) -> None:
         if spans:
-            self.by_role[role] = spans
+            self._by_role[role] = spans
         else:
-            self.by_role.pop(role, None)
-        self._spans = sorted(s for spans_ in self.by_role.values() for s in spans_)
+            self._by_role.pop(role, None)
+        self._spans = sorted(s for spans_ in self._by_role.values() for s in spans_)
         self._starts = [a for a, _ in self._spans]
 
     def all(self) -> list[tuple[int, int]]:
@@ -215,12 +208,42 @@ class _Bounce:
     def __init__(self) -> None:
         self.array = np.empty(0, np.uint8)
 
-    def reserve(self, nbytes: int) -> tuple[int, int] | None:
-        """Make room for ``nbytes``; return the span to register if the area moved."""
+    def reserve(self, nbytes: int) -> bool:
+        """Make room for ``nbytes``; True if the area moved (register it again)."""
         if nbytes <= self.array.nbytes:
-            return None
+            return False
         self.array = np.empty(max(nbytes, 2 * self.array.nbytes, 64 << 10), np.uint8)
-        return int(self.array.ctypes.data), self.array.nbytes
+        return True
+
+
+class _CallThread:
+    """One daemon thread that runs the store calls in order.  Not a ThreadPoolExecutor:
+    the interpreter joins those at exit, so a call stuck on a frozen master would
+    keep the process from exiting."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="kvswap-mooncake", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            fn, future = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # handed to the waiting caller
+                    future.set_exception(exc)
+
+    def submit(self, fn: Callable[[], T]) -> Future:
+        future: Future = Future()
+        self._queue.put((fn, future))
+        return future
+
+    def stop(self) -> None:
+        self._queue.put(None)
 
 
 class MooncakeBackend:
@@ -234,7 +257,7 @@ class MooncakeBackend:
         self.settings = settings
         self.where = f"mooncake://{settings.master}"
         self._lock = threading.Lock()
-        self._calls = ThreadPoolExecutor(1, thread_name_prefix="kvswap-mooncake")
+        self._calls = _CallThread()
         self._stuck: Future | None = None  # a call that outlived timeout_s, still running
         self._store: MooncakeDistributedStore | None = None
         self._regions = _Regions()
@@ -403,7 +426,7 @@ class MooncakeBackend:
                    enumerate(entry)
                    if size and (size < small or not self._regions.covers(addr, size))]
         offsets = np.cumsum([0] + [spans[e][j][1] for e, j in outside])
-        if self._bounce.reserve(int(offsets[-1])) is not None:
+        if self._bounce.reserve(int(offsets[-1])):
             self._sync_registration(store)
         base = int(self._bounce.array.ctypes.data) if self._bounce.array.nbytes else 0
         moved = {}
@@ -493,4 +516,4 @@ class MooncakeBackend:
                 future.result(self.settings.timeout_s)
             except FutureTimeout:
                 pass  # the process is usually about to exit; the master expires the client
-        self._calls.shutdown(wait=False)
+        self._calls.stop()

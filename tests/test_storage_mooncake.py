@@ -8,6 +8,8 @@ Skipped only when kvswap[mooncake] is not installed (.ci/run installs it)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -183,6 +185,36 @@ def test_frozen_master_times_out_and_later_calls_fail_fast_until_it_answers(mast
     finally:
         master.freeze(False)
     assert _until(lambda: backend.contains(["kvswap.t.r0.a"])) == [True]
+
+
+def test_a_call_stuck_on_a_frozen_master_does_not_hold_the_process_at_exit(master):
+    """The stuck call's thread is a daemon thread: the process still exits."""
+    code = (f"import sys\n"
+            f"from kvswap.client.errors import StorageTimeout\n"
+            f"from kvswap.daemon.storage import open_backend\n"
+            f"b = open_backend({master.url(segment='0', timeout_s=1)!r})\n"
+            f"b.contains(['kvswap.a'])\n"
+            f"print('ready', flush=True)\n"
+            f"sys.stdin.readline()\n"
+            f"try:\n"
+            f"    b.contains(['kvswap.a'])\n"
+            f"except StorageTimeout:\n"
+            f"    print('timed out', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline() == "ready\n"
+        master.freeze(True)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.wait(60) == 0  # its exit waits out the client's own RPC timeouts
+        assert proc.stdout.read() == "timed out\n"
+    finally:
+        master.freeze(False)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_master_down_at_first_use_fails_within_the_connect_timeout(master):

@@ -81,13 +81,6 @@ class Agreement:
         for sem in self._others:
             sem.release()
 
-    def abandon(self, task_id: int, last_round: int = 0) -> None:
-        """This rank will not take part in ``task_id`` (it failed before its first
-        round, e.g. its store did not answer): post ABORTED for every round, so each
-        peer aborts at once instead of waiting out its timeout for this rank."""
-        for rnd in range(last_round + 1):
-            self._post(task_id, rnd, 0, AgreeState.ABORTED)
-
     def _read(self, rank: int, task_id: int, rnd: int) -> tuple[int, AgreeState] | None:
         table = self.seg.agree[rank]
         for idx in range(AGREE_SLOTS):

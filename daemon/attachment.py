@@ -233,6 +233,7 @@ class Registrar:
         if cfg.storage_url:
             self._storage.open()
         if self._kept_swap is not None:  # kept across clear(free_host=False): re-adopted below
+            self._storage.use_pool([])  # before the pool is unmapped
             self._kept_swap.close(unlink=False)
             self._kept_swap = None
         swap = HostSwapSpace.open(rank.names, rank.index, tensors, cfg.pool_blocks,
@@ -267,6 +268,7 @@ class Registrar:
             # can give the same per-rank layout while rank r holds other heads.
             fingerprint = model_fingerprint(layout_hash(tensors),
                                             f"{cfg.model_id}|tp={cfg.tp_size}")
+        self._storage.use_pool(swap.blocks)  # backups read the pool in place
         num_device_blocks = tensors[0].num_blocks
         att = Attachment(
             swap=swap,
@@ -306,6 +308,7 @@ class Registrar:
         sig = self._rank.sig
         sig[R.CACHE_READY] = 0
         if free_host:
+            self._storage.use_pool([])  # before the pool is unmapped
             att.swap.close(unlink=True)
             sig[R.SWAP_READY] = 0
             sig[R.SWAP_BYTES_TOTAL] = 0
@@ -328,6 +331,7 @@ class Registrar:
         att = self._slot.current
         swap = att.swap if att is not None else self._kept_swap
         if swap is not None:
+            self._storage.use_pool([])  # before the pool is unmapped
             swap.close(unlink=True)
         for region in self._demo_regions.values():
             region.unlink()

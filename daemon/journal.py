@@ -193,11 +193,8 @@ class Journal:
         """Adopt the journal an earlier incarnation of this rank left, or create one.
 
         An existing journal keeps its own capacity and arena size (its records are
-        laid out for them); a segment that is not a whole journal is replaced.  The
-        mapping is populated here (MAP_POPULATE), as the host pool is at register:
-        recording a task never takes a page fault, and the rank's memory does not
-        creep up by the journal's size as its ring fills (a fuzz run read that as
-        a leak)."""
+        laid out for them); a segment that is not a whole journal is replaced.  Mapped
+        populated, as the pool is: recording never takes a page fault."""
         if capacity < 1 or arena_bytes < 4096:
             raise ValueError(f"journal needs >= 1 record and >= 4096 arena bytes, got "
                              f"{capacity} and {arena_bytes}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Sequence, TYPE_CHECKING
 
 import numpy as np
 
@@ -72,6 +72,12 @@ class StorageService:
             self._backend = open_backend(self._rank.cfg.storage_url)
             log.info("storage tier %s (model id %r)", self._rank.cfg.storage_url,
                      self._rank.cfg.model_id)
+
+    def use_pool(self, blocks: Sequence[np.ndarray]) -> None:
+        """The host pool that backups read and prefetches fill, registered with the
+        backend (control thread); ``[]`` before the pool is unmapped."""
+        if self._backend is not None:
+            self._backend.register_buffers("host", list(blocks))
 
     def close(self) -> None:
         """Teardown, after the storage worker ended."""
@@ -141,7 +147,12 @@ class StorageService:
         is several times faster than a fresh buffer each."""
         size = HEADER_BYTES + block_bytes
         if self._stage is None or self._stage.shape[0] < n or self._stage.shape[1] != size:
-            self._stage = np.empty((max(n, 1), size), dtype=np.uint8)
+            stage = np.empty((max(n, 1), size), dtype=np.uint8)
+            assert self._backend is not None
+            # a zero-copy store reads into registered memory: register before the old
+            # buffer is freed (the backend then drops its registration of that one)
+            self._backend.register_buffers("staging", [stage])
+            self._stage = stage
         return [memoryview(self._stage[i]) for i in range(n)]
 
     def _backup(self, att: "Attachment", host_ids: np.ndarray, names: list[str]) -> int:

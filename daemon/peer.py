@@ -77,7 +77,8 @@ def _packb(obj: Any) -> bytes:
 
 
 class PeerEngine:
-    """One Transfer Engine, P2P handshake mode, with at most one registered region."""
+    """One Transfer Engine in P2P handshake mode (no metadata server) and the regions
+    registered with it."""
 
     def __init__(self, host: str, protocol: str):
         try:
@@ -93,20 +94,20 @@ class PeerEngine:
             raise PeerUnavailable(f"the Transfer Engine did not start on {host} over {protocol} "
                                   f"(initialize returned {rc}; see the daemon log)")
         self.endpoint = f"{host}:{self._te.get_rpc_port()}"
-        self._region: tuple[int, int] | None = None
+        self._regions: list[int] = []  # registered addresses
 
     def register(self, addr: int, nbytes: int) -> None:
-        self.unregister()
+        """Make ``nbytes`` at ``addr`` readable and writable by peers."""
         rc = self._te.register_memory(addr, nbytes)
         if rc != 0:
-            raise PeerUnavailable(f"the Transfer Engine refused to register the host pool "
-                                  f"({nbytes} bytes; register_memory returned {rc})")
-        self._region = (addr, nbytes)
+            raise PeerUnavailable(f"the Transfer Engine refused to register {nbytes} bytes "
+                                  f"(register_memory returned {rc})")
+        self._regions.append(addr)
 
-    def unregister(self) -> None:
-        if self._region is not None:
-            self._te.unregister_memory(self._region[0])
-            self._region = None
+    def unregister_all(self) -> None:
+        for addr in self._regions:
+            self._te.unregister_memory(addr)
+        self._regions = []
 
     def write(self, target: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> None:
         """Write local ``srcs`` to the peer's ``dsts`` (both registered); all or raise."""
@@ -531,6 +532,7 @@ class PeerRuntime:
     def attach(self, tensors: Sequence[TensorDesc], blocks: Sequence[np.ndarray],
                region_addr: int, region_bytes: int) -> None:
         """Register the host pool (one mapping holding every tensor's blocks)."""
+        self.engine.unregister_all()
         self.engine.register(region_addr, region_bytes)
         self.pool = PoolView(tuple(int(b.ctypes.data) for b in blocks),
                              tuple(t.bytes_per_block for t in tensors), layout_hash(tensors),
@@ -538,7 +540,7 @@ class PeerRuntime:
 
     def detach(self) -> None:
         self.pool = None
-        self.engine.unregister()
+        self.engine.unregister_all()
 
     def endpoint(self, epoch: int) -> RankEndpoint:
         if self.pool is None:

@@ -153,10 +153,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     from kvswap.daemon.bench import _int_list
 
     p.add_argument("--tp", type=_int_list, default=[1, 2], metavar="1,2",
-                   help="TP sizes (one prefill and one decode namespace each)")
+                   help="TP sizes, one prefill and one decode namespace each (default: 1,2)")
     p.add_argument("--sizes", type=lambda t: [int(x) * KIB for x in _int_list(t)],
                    default=list(SIZES), metavar="KIB,...",
-                   help="bytes per block and tensor, in KiB (default 256,1024)")
+                   help="bytes per block and tensor, in KiB (default: 256,1024)")
     p.add_argument("--mib", type=int, default=32, metavar="N", help="MiB moved per rank and round")
     p.add_argument("--rounds", type=int, default=5, metavar="N",
                    help="rounds per case, peer and raw alternating")

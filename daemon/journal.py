@@ -25,10 +25,8 @@ reply is sent.  Three facts follow:
    source and writes the same destination: the restarted daemon replays every
    ADMITTED record, in admission order, before it reports READY.  Nothing new
    is admitted before the replay ends, so no task of any client can come in
-   between.  (A prefetch cannot be replayed -- its count was agreed with the
-   other ranks -- nor can a peer receive or send, whose other side is another
-   node's daemon: each ends OUTCOME_UNKNOWN (``UNREPLAYABLE_OPS``) and its host
-   blocks are released.)
+   between.  (A prefetch or a peer transfer cannot be replayed -- other ranks
+   or nodes took part -- so it ends OUTCOME_UNKNOWN; its host blocks are released.)
 3. A re-sent task with no record was never admitted (or was rejected, which
    changed nothing): it is admitted now like a new one.  The exception is a
    record that was dropped to make room, which would look the same; the
@@ -111,13 +109,9 @@ STATE_OFFSET = 8 * 6 + 4 + 4 + 2  # byte offset of ``state`` inside a record
 # Header slots.
 _MAGIC, _CAPACITY, _ARENA, _HEAD, _TAIL, _ARENA_HEAD, _DROPPED = range(7)
 
-JOURNALED_OPS: tuple[Op, ...] = (Op.EVICT, Op.LOAD, Op.BACKUP, Op.PREFETCH, Op.PEER_RECV,
-                                 Op.PEER_SEND)
-# Ops whose records hold host ids only (no device ids).
-HOST_ONLY_OPS = frozenset({Op.BACKUP, Op.PREFETCH, Op.PEER_RECV, Op.PEER_SEND})
-# Ops a restarted daemon cannot run again, because other parties took part: a prefetch's
-# count was agreed with the other ranks, a peer transfer involved another node's daemon
-# (which has failed or finished its side by now).  A crash leaves them OUTCOME_UNKNOWN.
+JOURNALED_OPS = (Op.EVICT, Op.LOAD, Op.BACKUP, Op.PREFETCH, Op.PEER_RECV, Op.PEER_SEND)
+HOST_ONLY_OPS = frozenset({Op.BACKUP, Op.PREFETCH, Op.PEER_RECV, Op.PEER_SEND})  # no device ids
+# Not run again after a crash: other ranks (a prefetch's agreed count) or another node took part.
 UNREPLAYABLE_OPS = frozenset({Op.PREFETCH, Op.PEER_RECV, Op.PEER_SEND})
 _OP_CODE = {op: i + 1 for i, op in enumerate(JOURNALED_OPS)}
 _CODE_OP = {i: op for op, i in _OP_CODE.items()}
@@ -156,11 +150,9 @@ def reply_fields(op: Op, a: int, b: int) -> dict:
     """The reply fields of ``op`` rebuilt from a record's two numbers."""
     if op in (Op.EVICT, Op.LOAD):
         return {"bytes": a, "merged": b}
-    if op in (Op.PEER_RECV, Op.PEER_SEND):
-        return {"bytes": a}
     if op is Op.BACKUP:
         return {"count": a, "skipped": b}
-    return {"count": a}
+    return {"bytes": a} if op in (Op.PEER_RECV, Op.PEER_SEND) else {"count": a}
 
 
 def split_fields(op: Op, fields: dict) -> tuple[int, int]:
@@ -244,8 +236,7 @@ class Journal:
         wide = any(a.dtype.itemsize > 4 and a.size and int(a.max()) > 0x7FFFFFFF
                    for a in (device_ids, host_ids))
         dtype = "<i8" if wide else "<i4"
-        n = (int(keys.shape[0]) if keys is not None else
-             int(host_ids.shape[0]) if op in HOST_ONLY_OPS else int(device_ids.shape[0]))
+        n = int(host_ids.shape[0])  # block pairs, or keys (one host block each)
         width = 8 if wide else 4
         length = (device_ids.size + host_ids.size) * width + (keys.size if keys is not None
                                                               else 0)

@@ -1,8 +1,4 @@
-"""The daemon's handlers of the peer ops: ``peer_info``, ``peer_recv``, ``peer_send``.
-
-They take the daemon's parts as arguments (the journal, a submit callable, the
-job and request) so that the server module only routes to them; the wiring a
-daemon needs is listed in docs/pd.md ("Daemon wiring").
+"""The peer ops of a rank daemon: ``peer_info``, ``peer_recv``, ``peer_send``.
 
 * ``peer_info`` (INLINE): this rank's Transfer Engine endpoint, completion
   listener, pool base addresses, block bytes, layout fingerprint and epoch: the
@@ -12,47 +8,36 @@ daemon needs is listed in docs/pd.md ("Daemon wiring").
   secret, ids in range and unique), journals it and submits a task that
   *writes* the named host blocks.  When the scheduler runs it (every earlier
   task on those blocks has finished) the receive is armed and the task stays
-  RUNNING: later evicts, loads, backups touching the blocks wait until it ends
-  (daemon/peer.py lists how).
+  RUNNING: the rank's own evicts, loads and backups touching the blocks wait
+  until it ends (daemon/peer_receiver.py says how it ends).
 * ``peer_send`` (TRANSFER, lane peer): checks the pairing again (the client did
   in the caller's thread), journals it and submits a task that *reads* the named
   host blocks, so it runs after the evicts that fill them; a peer worker pushes
-  them (daemon/peer.py PeerSender).
+  them (daemon/peer.py).
+
+Without ``--peer-transfer`` every peer op is refused PEER_DISABLED, naming the flag.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from kvswap.client.auth import load_secret
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError
 from kvswap.client.protocol import Op, Request, decode_id_frame, first_duplicate
+from kvswap.client.signals import R
 from kvswap.client.ticket import Ticket, TicketRefused
+from kvswap.daemon.attachment import Attachment, AttachmentSlot
+from kvswap.daemon.exactly_once import ExactlyOnce
+from kvswap.daemon.jobs import Completion, Job, Origin
 from kvswap.daemon.peer import PeerRuntime, PoolView
+from kvswap.daemon.rank import RankContext
 from kvswap.daemon.scheduler import Task, TaskState
-
-PEER_OPS = frozenset({Op.PEER_RECV, Op.PEER_SEND})
-PEER_WORKERS = 2  # peer-lane threads per rank: one push may wait on the network while another runs
-
-# end(task, code, message, reply fields): the daemon journals and answers the task and,
-# for a held receive, finishes it in the scheduler.
-End = Callable[[Task, ErrorCode, str, dict], None]
-# submit(job, host ids) -> the scheduled task (the daemon counts it in flight).
-Submit = Callable[[Any, np.ndarray], Task]
-
-
-class JournalLike(Protocol):
-    def admit(self, task_id: int, op: Op, device_ids: np.ndarray, host_ids: np.ndarray,
-              keys: np.ndarray | None = None, layerwise: bool = False, cid: int = 0,
-              cs: int = 0) -> int: ...
-
-
-def disabled(rank: int) -> KvswapError:
-    return KvswapError(f"rank {rank} was launched without peer transfer: relaunch with "
-                       f"kvswap launch --peer-transfer tcp (or rdma)", ErrorCode.PEER_DISABLED)
+from kvswap.daemon.swap_space import HostSwapSpace
 
 
 @dataclass(frozen=True)
@@ -70,58 +55,68 @@ _NO_DEVICE = np.empty(0, dtype=np.int64)
 
 
 class PeerOps:
-    """Peer-op handlers of one rank daemon started with ``--peer-transfer``."""
+    """The peer ops of one rank (its Transfer Engine, receiver and sender when
+    ``--peer-transfer`` is given; refusals otherwise)."""
 
-    def __init__(self, rank: int, tp_size: int, secret: bytes, host: str, protocol: str,
-                 timeout_s: float, end: End):
-        self.rank = rank
-        self.tp_size = tp_size
-        self._secret = secret
-        self._end = end
-        self._lock = threading.Lock()
+    def __init__(self, rank: RankContext, slot: AttachmentSlot, exactly: ExactlyOnce):
+        """Starts the Transfer Engine with ``--peer-transfer``: a :class:`KvswapError`
+        here is a start-up failure."""
+        self._rank = rank
+        self._slot = slot
+        self._exactly = exactly
+        cfg = rank.cfg
+        # The namespace's secret signs tickets whether or not it has a tcp:// listener.
+        self._secret = load_secret(cfg.secret_file) if cfg.secret_file else b""
+        self._lock = threading.Lock()  # _work: I/O thread, peer workers, receiver thread
         self._work: dict[Task, _Recv | _Send] = {}
-        self.runtime = PeerRuntime(rank, host, protocol, timeout_s, secret, self._on_end)
+        self._runtime = (PeerRuntime(rank.index, cfg.peer_address, cfg.peer_transfer,
+                                     cfg.peer_timeout_s, self._secret, self._on_end)
+                         if cfg.peer_transfer else None)
 
-    # ------------------------------------------------------------------ life cycle
-    def attach(self, swap: Any) -> None:
-        """Register a rank's host pool (a daemon.swap_space.HostSwapSpace) at register."""
-        base = swap.region.array(0, (swap.region.size,), np.uint8)
-        self.runtime.attach(swap.tensors, swap.blocks, int(base.ctypes.data), swap.region.size)
+    # ------------------------------------------------------------------ control thread
+    def attach(self, swap: HostSwapSpace) -> None:
+        """Register the pool just attached with the Transfer Engine (register)."""
+        if self._runtime is not None:
+            base = swap.region.array(0, (swap.region.size,), np.uint8)
+            self._runtime.attach(swap.tensors, swap.blocks, int(base.ctypes.data),
+                                 swap.region.size)
 
     def detach(self) -> None:
-        self.runtime.detach()
-
-    def stop(self) -> None:
-        """The daemon stops: armed receives end SHUTTING_DOWN (before the I/O loop ends)."""
-        self.runtime.receiver.close()
-
-    def close(self) -> None:
-        self.runtime.close()
+        """The pool is released or kept unattached (clear): no peer may write it."""
+        if self._runtime is not None:
+            self._runtime.detach()
 
     # ------------------------------------------------------------------ I/O thread
-    def info(self, epoch: int) -> dict:
-        pool = self._pool()
-        return {**self.runtime.endpoint(epoch).to_wire(), "layout": pool.layout.hex()}
+    def info(self, job: Job, req: Request | None) -> dict:
+        runtime = self._enabled()
+        pool = self._pool(runtime)
+        return {**runtime.endpoint(self._rank.epoch).to_wire(), "layout": pool.layout.hex()}
 
-    def admit(self, job: Any, req: Request, journal: JournalLike, submit: Submit,
-              cid: int = 0, cs: int = 0) -> None:
-        """Check and queue a ``peer_recv`` or ``peer_send`` (after the daemon's epoch,
-        state and re-send checks); raises :class:`KvswapError` changing nothing."""
-        pool = self._pool()
+    def admit(self, job: Job, req: Request | None) -> None:
+        """Check, journal and queue a ``peer_recv`` or ``peer_send``; a refusal changes
+        nothing."""
+        assert req is not None
+        self._rank.check_epoch(req.header)
+        self._rank.check_serving()
+        origin = Origin.of(req.header)
+        if origin.resent and self._exactly.answer_resent(job, origin):
+            return
+        runtime = self._enabled()
+        pool = self._pool(runtime)
+        work: _Recv | _Send
         if req.op is Op.PEER_RECV:
             raw = bytes(memoryview(req.frames[0]))
-            ticket = self._own_ticket(raw, pool)
+            ticket = self._own_ticket(runtime, raw, pool)
             host = np.asarray(ticket.block_ids, dtype=np.int64)
             self._check_ids(host, pool, unique=True)
-            self.runtime.receiver.expect(ticket.nonce, raw, ticket.expires_ns,
-                                         host.size * sum(pool.block_bytes))
+            runtime.receiver.expect(ticket.nonce, raw, ticket.expires_ns,
+                                    host.size * sum(pool.block_bytes))
             try:
-                job.jseq = journal.admit(job.req_id, Op.PEER_RECV, _NO_DEVICE, host, cid=cid,
-                                         cs=cs)
+                self._exactly.admit(job, origin, _NO_DEVICE, host)
             except KvswapError:
-                self.runtime.receiver.forget(ticket.nonce)
+                runtime.receiver.forget(ticket.nonce)
                 raise
-            work: _Recv | _Send = _Recv(ticket.nonce)
+            work = _Recv(ticket.nonce)
         else:
             raw = bytes(memoryview(req.frames[1]))
             ticket = Ticket.from_bytes(raw)
@@ -129,81 +124,118 @@ class PeerOps:
             if host.shape[0] != req.header["n"]:
                 raise InvalidTask(f"peer_send: header says n={req.header['n']} but the frame "
                                   f"holds {host.shape[0]} ids", ErrorCode.BAD_FIELD)
-            ticket.check_pairing(self.tp_size, pool.layout, host.shape[0])
-            if ticket.ranks[self.rank].block_bytes != pool.block_bytes:
-                raise TicketRefused(f"block bytes differ on rank {self.rank}: this pool "
-                                    f"{list(pool.block_bytes)}, the ticket "
-                                    f"{list(ticket.ranks[self.rank].block_bytes)}")
+            ticket.check_pairing(self._rank.cfg.tp_size, pool.layout, host.shape[0])
+            theirs = ticket.ranks[self._rank.index].block_bytes
+            if theirs != pool.block_bytes:
+                raise TicketRefused(f"block bytes differ on rank {self._rank.index}: this pool "
+                                    f"{list(pool.block_bytes)}, the ticket {list(theirs)}")
             self._check_ids(host, pool, unique=False)
-            job.jseq = journal.admit(job.req_id, Op.PEER_SEND, _NO_DEVICE, host, cid=cid, cs=cs)
+            self._exactly.admit(job, origin, _NO_DEVICE, host)
             work = _Send(ticket, raw)
-        task = submit(job, host)
-        with self._lock:
+        att = self._slot.current
+        assert att is not None  # READY implies attached
+        self._rank.sig.add(R.INFLIGHT, 1)
+        with self._lock:  # a peer worker may take the task at once: it looks it up here
+            task = att.scheduler.submit(job.op, _NO_DEVICE, host,
+                                        priority=int(req.header.get("priority", 0)), ctx=job)
             self._work[task] = work
 
     def cancel(self, task: Task) -> bool:
-        """``cancel`` of a peer task: one not started yet was dropped by the scheduler
-        (forget it here, True); an armed receive no sender has begun ends CANCELLED."""
+        """``cancel`` of a peer task.  One the scheduler dropped before it started:
+        forget its ticket (True).  A receive armed and held, no sender begun: it
+        ends CANCELLED (True).  Anything else runs on (False)."""
         with self._lock:
             work = self._work.get(task)
-        if not isinstance(work, _Recv):
+        if not isinstance(work, _Recv) or self._runtime is None:
             return False
         if task.state is TaskState.CANCELLED:
             with self._lock:
                 self._work.pop(task, None)
-            self.runtime.receiver.forget(work.nonce)
+            self._runtime.receiver.forget(work.nonce)
             return True
-        return self.runtime.receiver.cancel(work.nonce)
+        return self._runtime.receiver.cancel(work.nonce)
+
+    def stop(self) -> None:
+        """The daemon stops: armed receives end SHUTTING_DOWN while the I/O loop still
+        answers them."""
+        if self._runtime is not None:
+            self._runtime.receiver.close()
 
     # ------------------------------------------------------------------ peer workers
-    def execute(self, task: Task) -> tuple[ErrorCode, str, dict] | None:
-        """Run a peer task (a peer worker).  A receive is armed and held: None, its end
-        comes later through ``end``.  A send returns its outcome; never raises."""
-        with self._lock:
-            work = self._work.get(task)
-        if isinstance(work, _Recv):
-            self.runtime.receiver.arm(work.nonce, task)
-            return None
-        assert isinstance(work, _Send)
-        with self._lock:
-            del self._work[task]
-        pool = self.runtime.pool
-        if pool is None:
-            return ErrorCode.NOT_READY, "the host pool was released", {}
-        try:
-            nbytes = self.runtime.sender.push(self.rank, work.ticket, work.raw, pool,
-                                              task.host_ids)
-        except KvswapError as exc:
-            return exc.code, exc.message, {}
-        return ErrorCode.OK, "", {"bytes": nbytes}
+    def execute(self, batch: list[Task], att: Attachment) -> list[Completion]:
+        """Run peer tasks (a peer worker; never raises).  A receive is armed and held:
+        no completion now, it ends through the receiver.  A send pushes its blocks."""
+        assert self._runtime is not None  # peer tasks are admitted only with a runtime
+        out = []
+        for task in batch:
+            with self._lock:
+                work = self._work.get(task)
+                if isinstance(work, _Send):
+                    del self._work[task]
+            t_start = time.perf_counter_ns()
+            if isinstance(work, _Recv):
+                self._runtime.receiver.arm(work.nonce, task)
+                continue
+            assert isinstance(work, _Send) and self._runtime.pool is not None
+            try:
+                nbytes = self._runtime.sender.push(self._rank.index, work.ticket, work.raw,
+                                                   self._runtime.pool, task.host_ids)
+            except KvswapError as exc:
+                out.append(Completion(task.ctx, exc.code, exc.message, t_start,
+                                      time.perf_counter_ns()))
+                continue
+            out.append(Completion(task.ctx, ErrorCode.OK, "", t_start, time.perf_counter_ns(),
+                                  nbytes, {"bytes": nbytes}))
+        return out
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """After the workers ended: stop the engine and the listener."""
+        if self._runtime is not None:
+            self._runtime.close()
 
     # ------------------------------------------------------------------ internals
     def _on_end(self, task: Task, code: ErrorCode, message: str, nbytes: int) -> None:
+        """A held receive ended (receiver thread, or the I/O thread for a cancel or a
+        stop): journal and answer it, then release its blocks."""
         with self._lock:
             self._work.pop(task, None)
-        self._end(task, code, message, {"bytes": nbytes} if code == ErrorCode.OK else {})
+        fields = {"bytes": nbytes} if code == ErrorCode.OK else {}
+        self._exactly.settle(Completion.now(task.ctx, code, message, time.perf_counter_ns(),
+                                            fields))
+        att = self._slot.current
+        if att is not None:
+            att.scheduler.finish([task])
 
-    def _pool(self) -> PoolView:
-        pool = self.runtime.pool
+    def _enabled(self) -> PeerRuntime:
+        if self._runtime is None:
+            raise KvswapError(f"rank {self._rank.index} was launched without peer transfer: "
+                              f"relaunch with kvswap launch --peer-transfer tcp (or rdma)",
+                              ErrorCode.PEER_DISABLED)
+        return self._runtime
+
+    def _pool(self, runtime: PeerRuntime) -> PoolView:
+        pool = runtime.pool
         if pool is None:
-            raise KvswapError(f"rank {self.rank} has no host pool yet (no register)",
+            raise KvswapError(f"rank {self._rank.index} has no host pool yet (no register)",
                               ErrorCode.NOT_READY)
         return pool
 
-    def _own_ticket(self, raw: bytes, pool: PoolView) -> Ticket:
-        """A ticket this rank may arm: signed when the namespace has a secret, this
-        rank's entry naming this rank, this layout, not expired."""
+    def _own_ticket(self, runtime: PeerRuntime, raw: bytes, pool: PoolView) -> Ticket:
+        """A ticket this rank may arm: signed when the namespace has a secret, for this
+        TP size, its entry naming this daemon, this layout, not expired."""
         ticket = Ticket.from_bytes(raw)
         if self._secret:
             ticket.verify(self._secret)
-        if ticket.tp_size != self.tp_size:
+        index = self._rank.index
+        if ticket.tp_size != self._rank.cfg.tp_size:
             raise TicketRefused(f"the ticket is for TP size {ticket.tp_size}, this namespace "
-                                f"has {self.tp_size}")
-        mine = ticket.ranks[self.rank]
-        own = self.runtime.endpoint(mine.epoch)
+                                f"has {self._rank.cfg.tp_size}")
+        mine = ticket.ranks[index]
+        own = runtime.endpoint(mine.epoch)
         if (mine.te, mine.notify, mine.bases, mine.block_bytes) != \
                 (own.te, own.notify, own.bases, own.block_bytes):
-            raise TicketRefused(f"the ticket's rank {self.rank} entry is not this daemon's "
+            raise TicketRefused(f"the ticket's rank {index} entry is not this daemon's "
                                 f"(endpoint {mine.te} vs {own.te}); issue it with "
                                 f"receive_into on this namespace")
         if ticket.layout != pool.layout:

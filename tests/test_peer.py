@@ -9,8 +9,6 @@ host (send_to / receive_into), host -> device (load) on ``dec``.
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
 
 import numpy as np
@@ -18,7 +16,6 @@ import pytest
 
 from kvswap.client.errors import ErrorCode, KvswapError, RankRestarted, TransferFailed
 from kvswap.client.layout import demo_layout
-from kvswap.client.protocol import Op
 from kvswap.client.shm_region import ShmRegion
 from kvswap.client.signals import R, RankState, poll_until
 from kvswap.client.ticket import Ticket, TicketRefused

@@ -71,6 +71,7 @@ class PeerReceiver:
         # begins that overtook their peer_recv (receive_into does not wait for it): nonce ->
         # [(ident, ticket, deadline)], answered once it is admitted or at the deadline
         self._early: dict[bytes, list[tuple[bytes, Any, float]]] = {}
+        self._refused: list[bytes] = []  # parked begins whose receive ended before ARMED
         self._router = ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
@@ -114,8 +115,9 @@ class PeerReceiver:
         """Drop a receive cancelled before it was armed (its task was never started)."""
         with self._lock:
             p = self._pending.pop(nonce, None)
-        if p is not None and p.parked:
-            self._wake()  # parked begins are refused by the loop below
+            if p is not None:
+                self._refused += p.parked
+        self._wake()  # the listener refuses the begins that waited for it
 
     def cancel(self, nonce: bytes) -> bool:
         """End an armed receive no sender has begun, CANCELLED; False otherwise."""
@@ -124,6 +126,7 @@ class PeerReceiver:
             if p is None or p.state is not RecvState.ARMED:
                 return False
             del self._pending[nonce]
+            self._refused += p.parked
         self._on_end(p.handle, ErrorCode.CANCELLED, "receive cancelled before a sender began",
                      0)
         return True
@@ -279,6 +282,10 @@ class PeerReceiver:
         """Answer parked begins whose receive is armed or gone; end expired receives."""
         now = time.monotonic()
         self._sweep_early(now)
+        with self._lock:
+            refused, self._refused = self._refused, []
+        for ident in refused:
+            self._answer(ident, ErrorCode.TICKET_MISMATCH, "the receive was cancelled")
         ended: list[tuple[_Pending, ErrorCode, str]] = []
         replies: list[tuple[bytes, ErrorCode, str]] = []
         with self._lock:

@@ -4,7 +4,8 @@ Both check every argument, and the ticket's pairing with this namespace, in the
 caller's thread before anything is sent (client/ticket.py names the rules).
 Both need each rank's ``peer_info`` (endpoint, pool bases, layout fingerprint);
 it is asked once and kept while no rank restarts (the epochs in the signal
-segment are unchanged), so a steady stream of transfers costs no extra round trip.
+segment are unchanged) and no receive is refused TICKET_MISMATCH (a pool that
+moved at a clear), so a steady stream of transfers costs no extra round trip.
 """
 
 from __future__ import annotations
@@ -87,8 +88,17 @@ def receive_into(client: "TransferClient", host_blocks: Any, ttl_s: float | None
     fut = TransferFuture(next(client._ids), Op.PEER_RECV, range(client.tp_size),
                          time.monotonic() + ttl + client.task_timeout, client)
     header = request_header(Op.PEER_RECV, fut.task_id)
+    fut.add_done_callback(lambda f: _forget_if_stale(client, f))
     client._submit([_Envelope(fut, Message(header, [raw], epoch_stamped=True))])
     return raw, fut
+
+
+def _forget_if_stale(client: "TransferClient", fut: "TransferFuture") -> None:
+    """A receive refused TICKET_MISMATCH: a rank's pool may have moved without a restart
+    (clear, then register again), so ask peer_info again next time."""
+    exc = fut.exception(0)
+    if exc is not None and exc.code == ErrorCode.TICKET_MISMATCH:
+        _INFOS.pop(client, None)
 
 
 def send_to(client: "TransferClient", ticket: Any, host_blocks: Any, secret: bytes | None,

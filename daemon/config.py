@@ -228,7 +228,7 @@ class DaemonOptions(NamespaceOptions):
              "(prefill -> decode, docs/pd.md); needs the [mooncake] extra")
     peer_host: str | None = option(
         None, flag="--peer-host", metavar="HOST",
-        default_text="the --tcp host, else 127.0.0.1",
+        default_text="the --tcp (kvswapd: --listen-tcp) host, else 127.0.0.1",
         help="address other nodes reach this node's Transfer Engines and completion "
              "listeners at (written into tickets)")
     peer_timeout_s: float = option(

@@ -45,7 +45,7 @@ from kvswap.client.layer_progress import LayerProgress
 from kvswap.client.layout import demo_layout
 from kvswap.client.signals import R, poll_until
 from kvswap.client.transfer_client import TransferClient, TransferSpec
-from kvswap.daemon import bench_trace
+from kvswap.daemon import bench_peer, bench_trace
 from kvswap.daemon.bench_refs import (
     REPLY_TIMEOUT_S,
     BaselineRef,
@@ -920,6 +920,9 @@ SCENARIOS["trace"] = (bench_trace.add_trace_args, bench_trace.bench_trace,
                       "tiers, with daemons and as bookkeeping only")
 SCENARIOS["hostcache"] = (bench_trace.add_hostcache_args, bench_trace.bench_hostcache,
                           "ns per block of HostCache's bookkeeping vs a plain OrderedDict LRU")
+SCENARIOS["peer"] = (bench_peer.add_args, bench_peer.bench_peer,
+                     "node-to-node send_to / receive_into GB/s and one-block latency vs raw "
+                     "Transfer Engine writes (needs the [mooncake] extra)")
 PLOTS["trace"] = bench_trace.plot_trace
 PLOTS["hostcache"] = bench_trace.plot_hostcache
 

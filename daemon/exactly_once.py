@@ -17,11 +17,11 @@ from typing import Callable
 import numpy as np
 
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError
-from kvswap.client.protocol import Op, validate_transfer
+from kvswap.client.protocol import validate_transfer
 from kvswap.daemon import crashpoints
 from kvswap.daemon.io_loop import IoLoop
 from kvswap.daemon.jobs import Completion, Job, Origin
-from kvswap.daemon.journal import Journal
+from kvswap.daemon.journal import UNREPLAYABLE_OPS, Journal
 from kvswap.daemon.rank import RankContext
 from kvswap.daemon.scheduler import Task
 
@@ -91,11 +91,11 @@ class ExactlyOnce:
             job = Job(None, d.task_id, d.op, time.perf_counter_ns(), keys=d.keys)
             job.jseq = d.seq
             now = time.perf_counter_ns()
-            if d.op is Op.PREFETCH:
+            if d.op in UNREPLAYABLE_OPS:
                 done = Completion.now(job, ErrorCode.OUTCOME_UNKNOWN,
-                                      "a daemon crash interrupted this prefetch after the ranks "
-                                      "agreed on it; its host blocks hold unknown content: "
-                                      "prefetch again", now)
+                                      f"a daemon crash interrupted this {d.op.value}, which other "
+                                      f"ranks or nodes took part in; its host blocks hold "
+                                      f"unknown content: run it again", now)
             else:
                 try:
                     validate_transfer(d.op, d.device_ids, d.host_ids, num_device_blocks,

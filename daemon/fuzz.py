@@ -421,6 +421,13 @@ class Generator:
             k = rng.randint(0, 3)
             h["n"] = k
             tail = [self._keys(k)]
+        elif op is Op.PEER_SEND:  # the ticket: random bytes (a real one needs an engine)
+            k = rng.randint(0, 3)
+            h.update(ids="<i4", n=k)
+            tail = [self._frame(self._ids(t.num_host_blocks, k)),
+                    rng.randbytes(rng.randint(0, 64))]
+        elif op is Op.PEER_RECV:
+            tail = [rng.randbytes(rng.randint(0, 64))]
         elif op is Op.REGISTER:
             h.update(backend="host", tensors=copy.deepcopy(list(t.tensors)))
         elif op is Op.CLEAR:

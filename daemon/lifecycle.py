@@ -24,6 +24,7 @@ from kvswap.daemon.attachment import AttachmentSlot, Registrar
 from kvswap.daemon.exactly_once import ExactlyOnce
 from kvswap.daemon.io_loop import IoLoop
 from kvswap.daemon.jobs import Completion, Handler, Job
+from kvswap.daemon.peer_ops import PeerOps
 from kvswap.daemon.rank import RankContext
 from kvswap.daemon.transfers import Transfers
 
@@ -35,13 +36,14 @@ class Lifecycle:
 
     def __init__(self, rank: RankContext, io: IoLoop, slot: AttachmentSlot,
                  registrar: Registrar, exactly: ExactlyOnce, transfers: Transfers,
-                 control: queue.SimpleQueue):
+                 peer: PeerOps, control: queue.SimpleQueue):
         self._rank = rank
         self._io = io
         self._slot = slot
         self._registrar = registrar
         self._exactly = exactly
         self._transfers = transfers
+        self._peer = peer
         self._control = control  # SERIAL jobs, in arrival order; None ends the thread
         self._thread: threading.Thread | None = None  # main thread: started, joined
 
@@ -217,6 +219,7 @@ class Lifecycle:
             for task in att.scheduler.stop():
                 self._exactly.settle(Completion.now(task.ctx, ErrorCode.SHUTTING_DOWN,
                                                     f"rank {rank.index} is shutting down", now))
+        self._peer.stop()  # held receives end SHUTTING_DOWN too
 
     def workers_done(self) -> bool:
         if self._thread is not None and self._thread.is_alive():

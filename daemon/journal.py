@@ -196,14 +196,13 @@ class Journal:
         """Adopt the journal an earlier incarnation of this rank left, or create one.
 
         An existing journal keeps its own capacity and arena size (its records are
-        laid out for them); a segment that is not a whole journal is replaced.  Mapped
-        populated, as the pool is: recording never takes a page fault."""
+        laid out for them); a segment that is not a whole journal is replaced."""
         if capacity < 1 or arena_bytes < 4096:
             raise ValueError(f"journal needs >= 1 record and >= 4096 arena bytes, got "
                              f"{capacity} and {arena_bytes}")
         name = names.journal_segment(rank)
         try:
-            region = ShmRegion.attach(name, min_size=HEADER.size, populate=True)
+            region = ShmRegion.attach(name, min_size=HEADER.size, populate=True)  # no faults later
         except posix_ipc.ExistentialError:
             region = None
         if region is not None:
@@ -212,8 +211,8 @@ class Journal:
                 return cls(region, reused=True)
             region.close()
             unlink_shm(name)
-        region = ShmRegion.create(name, cls.segment_bytes(capacity, arena_bytes),
-                                  exclusive=False, populate=True)
+        region = ShmRegion.create(name, cls.segment_bytes(capacity, arena_bytes), exclusive=False,
+                                  populate=True)  # as the pool: no page fault when recording
         buf = region.array(0, (HEADER.size,), np.uint8)
         HEADER.pack_into(buf, 0, 0, capacity, arena_bytes, 0, 0, 0, 0, 0)
         struct.pack_into("<Q", buf, 0, MAGIC)  # last: a half-made journal is not one

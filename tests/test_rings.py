@@ -3,6 +3,7 @@ wrap-around, backpressure without loss, doorbells, malformed records, cleanup.""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import select
@@ -10,13 +11,16 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 
+import msgpack
+import numpy as np
 import pytest
 
-from kvswap.client import rings
+from kvswap.client import InvalidTask, TransferClient, rings
 from kvswap.client.errors import ErrorCode
 from kvswap.client.naming import Names
-from kvswap.client.protocol import Op, decode_reply, encode_request
+from kvswap.client.protocol import Op, Reply, decode_reply, transfer_message
 from kvswap.client.rings import (
     Bell,
     RingCorrupt,
@@ -25,7 +29,11 @@ from kvswap.client.rings import (
     RingUnavailable,
     owner_token,
 )
+from kvswap.client.transfer_client import TransferFuture, _Dispatcher, _Envelope
+from kvswap.client.transport import Channel
 from kvswap.daemon.ring_server import RingServer
+
+from conftest import SMALL_LAYOUT
 
 
 @pytest.fixture
@@ -290,9 +298,130 @@ def test_server_serves_a_peer_and_leaves_nothing(names):
         (bad,) = peer.receive()
         reply = decode_reply(bad[0])
         assert reply.code == ErrorCode.PROTOCOL_ERROR and "malformed ring record" in reply.message
-        assert encode_request(Op.PING, 1)  # the encoder the client uses is unaffected
         peer.close()
     finally:
         server.close()
     assert names.owned_shm() == []
     assert sorted(p.name for p in names.run_dir.iterdir()) == []
+
+
+# ---------------------------------------------------------------- two channels, one order
+
+
+class TwoChannels:
+    """A fake wire: messages with more than 8 ids want ZeroMQ, the others the ring,
+    which takes ``room`` more messages (then it is full)."""
+
+    def __init__(self):
+        self.sent: list[tuple[int, int, Channel]] = []  # (rank, request id, channel)
+        self.room = 1 << 30
+
+    def channel(self, frames, rank):
+        return Channel.ZMQ if len(frames) > 1 and len(frames[1]) > 8 * 4 else Channel.RING
+
+    def send(self, frames, rank, channel):
+        if channel is Channel.RING:
+            if self.room == 0:
+                return False
+            self.room -= 1
+        self.sent.append((rank, msgpack.unpackb(frames[0])["id"], channel))
+        return True
+
+    def reconnect(self, rank):
+        pass
+
+    def take(self) -> list[tuple[int, Channel]]:
+        out = [(i, c) for r, i, c in self.sent if r == 0]
+        self.sent = []
+        return out
+
+
+_tids = itertools.count(1)
+
+
+def _env(blocks: int) -> _Envelope:
+    fut = TransferFuture(next(_tids), Op.EVICT, range(1), time.monotonic() + 30)
+    ids = np.arange(blocks, dtype="<i4")
+    return _Envelope(fut, transfer_message(Op.EVICT, fut.task_id, ids, ids))
+
+
+def _answer(d: _Dispatcher, env: _Envelope) -> None:
+    d.on_reply(Reply(env.carrier.task_id, 0, True, ErrorCode.OK, ""))
+    d.pump()
+
+
+def test_one_rank_is_sent_on_one_channel_at_a_time():
+    """The daemon reads its ring and its socket each in order, not against each other:
+    a large message waits until the ring owes nothing, small ones follow the channel
+    that still owes replies, and the ring is used again once ZeroMQ owes none."""
+    wire = TwoChannels()
+    d = _Dispatcher(1, 5, wire, 30.0, lambda r: 1, lambda r: True, lambda r: "rank 0")
+    a, big, c = _env(1), _env(100), _env(1)
+    for env in (a, big, c):
+        d.post(env)
+    ring, zmq = Channel.RING, Channel.ZMQ
+    assert wire.take() == [(a.carrier.task_id, ring)]  # big waits for a's reply
+    _answer(d, a)
+    assert wire.take() == [(big.carrier.task_id, zmq), (c.carrier.task_id, zmq)]
+    e = _env(1)
+    d.post(e)
+    assert wire.take() == [(e.carrier.task_id, zmq)]  # ZeroMQ still owes big, c
+    for env in (big, c, e):
+        _answer(d, env)
+    f = _env(1)
+    d.post(f)
+    assert wire.take() == [(f.carrier.task_id, ring)]
+    _answer(d, f)
+    assert d._owing == [0] and d._ring_owing == [0]
+    assert all(env.carrier.result(0) for env in (a, big, c, e, f))
+
+
+def test_a_full_ring_keeps_messages_in_order_in_the_backlog():
+    wire = TwoChannels()
+    wire.room = 2
+    d = _Dispatcher(1, 5, wire, 30.0, lambda r: 1, lambda r: True, lambda r: "rank 0")
+    envs = [_env(1) for _ in range(5)]
+    for env in envs:
+        d.post(env)
+    ids = [e.carrier.task_id for e in envs]
+    assert [i for i, _ in wire.take()] == ids[:2]
+    d.pump()
+    assert wire.take() == []  # still full: nothing lost, nothing out of order
+    wire.room = 10
+    d.pump()  # the daemon rang back: room
+    assert [i for i, _ in wire.take()] == ids[2:]
+    for env in envs:
+        _answer(d, env)
+    assert d._owing == [0] and all(e.carrier.result(0) for e in envs)
+
+
+# ---------------------------------------------------------------- the client's path option
+
+
+def test_path_option_is_checked_before_anything_is_created(run_root):
+    with pytest.raises(InvalidTask, match="path must be 'ring' or 'zmq'"):
+        TransferClient("nosuchns", 1, run_root=run_root, path="shm")
+    with pytest.raises(InvalidTask, match="tcp:// client uses path='zmq'"):
+        TransferClient("nosuchns", 1, run_root=run_root, path="ring", tcp="127.0.0.1:7000",
+                       secret=b"s")
+
+
+def test_one_client_owns_the_rings_others_use_zeromq(namespaces):
+    launcher = namespaces.launch(tp=2, demo_caches=SMALL_LAYOUT)
+    ns, root = launcher.names.namespace, str(launcher.names.run_root)
+    first = TransferClient(ns, 2, run_root=root)
+    second = TransferClient(ns, 2, run_root=root)
+    try:
+        for c in (first, second):
+            c.wait_ready(20)
+            assert c.evict([1], [1]).result(10) and c.load([1], [2]).result(10)
+        assert [p is not None for p in first._wire.rings] == [True, True]
+        assert [p is not None for p in second._wire.rings] == [False, False]
+        first.close()
+        second._wire._retry_at = [0.0, 0.0]  # look again now, not in half a second
+        assert second.ping().result(10)
+        assert [p is not None for p in second._wire.rings] == [True, True]
+        assert second.evict([2], [2]).result(10)
+    finally:
+        first.close()
+        second.close()

@@ -297,9 +297,11 @@ class RingPeer:
             self._tx.ring()
         return rc >= 0
 
-    def receive(self) -> list[list[bytes]]:
-        """Every completion waiting, in order (:data:`RingCorrupt` if one is malformed)."""
-        self._rx.drain()
+    def receive(self, rung: bool) -> list[list[bytes]]:
+        """Every completion waiting, in order (:data:`RingCorrupt` if one is malformed);
+        ``rung``: the bell is readable (it is emptied)."""
+        if rung:
+            self._rx.drain()
         out = []
         while True:
             frames = self._cq.get()

@@ -90,6 +90,7 @@ from kvswap.client.transport import Channel, Path, Transport
 log = logging.getLogger("kvswap.client")
 
 _WATCH_MS = 20  # how often the I/O thread looks for restarted ranks while work is pending
+_LINGER_S = 1.0  # ... and for this long after the last reply (a post then needs no wake-up)
 _CLOSE_JOIN_S = 10.0  # close() waits this long for the I/O thread, never longer
 _POLICIES = ("write_through", "write_back")
 # Flow control (see _Dispatcher): replies a rank may owe this client at once, and
@@ -186,7 +187,11 @@ class TransferFuture:
         self.submitted = time.perf_counter()
         self.completed: float | None = None
         self._replies: dict[int, Reply] = {}
-        self._event = threading.Event()
+        self._done = False
+        # Held until the future completes: a waiter acquires it (with a timeout) and
+        # passes it on.  Two plain locks cost a fraction of an Event (a Condition).
+        self._gate = threading.Lock()
+        self._gate.acquire()
         self._lock = threading.Lock()
         self._error: KvswapError | None = None
         self._result: TaskResult | None = None
@@ -218,12 +223,13 @@ class TransferFuture:
 
     def _finish(self, result: TaskResult | None = None, error: KvswapError | None = None) -> None:
         with self._lock:
-            if self._event.is_set():
+            if self._done:
                 return
             self._result, self._error = result, error
             self.completed = time.perf_counter()
-            self._event.set()
+            self._done = True
             callbacks, self._callbacks = self._callbacks, []
+        self._gate.release()
         deferred = getattr(_pending_callbacks, "calls", None)
         if deferred is not None:  # under the client's lock: run once it is released
             deferred.extend((cb, self) for cb in callbacks)
@@ -236,7 +242,7 @@ class TransferFuture:
 
     # -- public ------------------------------------------------------------------
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def cancel(self) -> "TransferFuture":
         """Ask every rank to drop this task if it has not started there.
@@ -260,7 +266,7 @@ class TransferFuture:
 
     def add_done_callback(self, fn: Callable[["TransferFuture"], None]) -> None:
         with self._lock:
-            if not self._event.is_set():
+            if not self._done:
                 self._callbacks.append(fn)
                 return
         fn(self)
@@ -274,15 +280,24 @@ class TransferFuture:
         to its sending)."""
         if timeout is None:
             t0 = time.monotonic()
-            while not self._event.wait(max(0.0, self.deadline - time.monotonic()) + 1.0):
+            while not self._wait(max(0.0, self.deadline - time.monotonic()) + 1.0):
                 if time.monotonic() >= self.deadline + 1.0:
                     self._raise_timeout(time.monotonic() - t0)
-        elif not self._event.wait(_seconds(timeout, "timeout", positive=False)):
+        elif not self._wait(_seconds(timeout, "timeout", positive=False)):
             self._raise_timeout(timeout)
         if self._error is not None:
             raise self._error
         assert self._result is not None
         return self._result
+
+    def _wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for completion; True once complete."""
+        if self._done:
+            return True
+        if not self._gate.acquire(timeout=min(timeout, threading.TIMEOUT_MAX)):
+            return self._done
+        self._gate.release()  # for the next waiter
+        return True
 
     def _raise_timeout(self, waited: float) -> None:
         missing = ", ".join(map(str, self.missing_ranks()))
@@ -405,7 +420,11 @@ class _Dispatcher:
         return bool(self._pending or self._frozen or self._waiting)
 
     def next_deadline(self) -> float | None:
-        return self._deadlines[0][0] if self._deadlines else None
+        """The earliest deadline of a future still open (completed ones are dropped)."""
+        heap = self._deadlines
+        while heap and heap[0][1] not in self._pending:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
 
     # ------------------------------------------------------------------ entry points
     def post(self, env: _Envelope) -> None:
@@ -764,6 +783,9 @@ class TransferClient:
         self._lock = threading.RLock()
         self._closed = False
         self._idle = False  # the reader sleeps longer than _WATCH_MS: a post must wake it
+        self._linger_until = 0.0  # the reader sleeps at most _WATCH_MS until then
+        self._next_watch = 0.0  # the reader looks for restarted ranks from then on
+        self._look_all = False  # the reader must read every channel, signalled or not
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = threading.Thread(target=self._io_loop, name="kvswap-client-io",
                                         daemon=True)
@@ -1018,7 +1040,9 @@ class TransferClient:
             self._check_open()
             for env in envelopes:
                 self._io.post(env)
-            if self._idle or self._wire.take_look():
+            if self._wire.take_look():
+                self._look_all = True
+            if self._idle or self._look_all:
                 self._wake()
 
     def _wake(self) -> None:
@@ -1043,8 +1067,8 @@ class TransferClient:
                         fds = now
                         for fd in fds:
                             poller.register(fd, select.POLLIN)
-                poller.poll(timeout_ms)
-                if self._io_step():
+                ready = {fd for fd, _ in poller.poll(timeout_ms)}
+                if self._io_step(ready):
                     return
         finally:
             self._io_teardown()
@@ -1054,32 +1078,45 @@ class TransferClient:
         most _WATCH_MS while anything is outstanding, not at all if a ring holds a
         completion or a channel changed; with nothing to wait for, until a post wakes
         it (a post wakes a reader that sleeps longer than _WATCH_MS)."""
-        if self._closed or self._wire.take_look() or not self._wire.arm():
+        if self._wire.take_look():
+            self._look_all = True
+        if self._closed or self._look_all or not self._wire.arm():
             return 0
         timeout_ms = None
         deadline = self._io.next_deadline()
         if deadline is not None:
             timeout_ms = max(0, int((deadline - time.monotonic()) * 1000) + 1)
-        if self._io.busy():  # watch for rank restarts while anything is outstanding
+        if self._io.busy() or time.monotonic() < self._linger_until:
+            # watch for rank restarts while anything is outstanding; and keep waking at
+            # that pace for a while after the last reply, so that a busy engine's next
+            # post finds the reader on a short sleep and need not wake it
             timeout_ms = min(timeout_ms if timeout_ms is not None else _WATCH_MS, _WATCH_MS)
         self._idle = timeout_ms is None or timeout_ms > _WATCH_MS
         return timeout_ms
 
-    def _io_step(self) -> bool:
-        """One round of the reader; True once the client is closed and drained.
-        Done-callbacks run after it lets go of the lock."""
+    def _io_step(self, ready: set[int]) -> bool:
+        """One round of the reader (``ready``: the descriptors poll found readable);
+        True once the client is closed and drained.  Done-callbacks run after it lets
+        go of the lock."""
         with _callbacks_deferred(), self._lock:
             try:
                 self._idle = False
-                try:
+                if self._look_all:
+                    self._look_all = False
+                    ready = ready | self._wire.everything()
+                if self._wake_r in ready:
                     os.read(self._wake_r, 4096)
-                except BlockingIOError:
-                    pass
                 closed = self._closed
                 if closed:
                     self._io.close()
-                self._io.watch()
-                for reply in self._wire.receive():
+                now = time.monotonic()
+                if now >= self._next_watch:
+                    self._next_watch = now + _WATCH_MS / 1000
+                    self._io.watch()
+                replies = self._wire.receive(ready)
+                if replies:
+                    self._linger_until = time.monotonic() + _LINGER_S
+                for reply in replies:
                     self._io.on_reply(reply)
                 self._io.expire(time.monotonic())
                 self._io.pump()
@@ -1093,6 +1130,7 @@ class TransferClient:
         """Last act of the reader thread: fail what is left, close the channels, end
         the context (every socket has LINGER 0, so term() returns at once)."""
         with self._lock:
+            self._closed = True  # also when the reader ends on an error of its own
             self._io.close()
             self._wire.close()
             os.close(self._wake_r)

@@ -132,6 +132,10 @@ class Transport:
         self._retry_at[rank] = 0.0
 
     # ------------------------------------------------------------------ receiving
+    def everything(self) -> set[int]:
+        """What the reader treats as ready after :meth:`take_look`."""
+        return set(self.fds())
+
     def fds(self) -> list[int]:
         """What the reader waits on (changes after :meth:`reconnect` and ring opens)."""
         return [*self._zmq_fds, *(p.fileno() for p in self.rings if p is not None)]
@@ -140,10 +144,15 @@ class Transport:
         """Before the reader sleeps: True if no ring holds a completion."""
         return all(p.arm() for p in self.rings if p is not None)
 
-    def receive(self) -> list[Reply]:
-        """Every reply waiting on every channel (reader thread, under the lock)."""
+    def receive(self, ready: set[int]) -> list[Reply]:
+        """Every reply waiting (reader thread, under the lock).  ``ready``: the
+        descriptors poll found readable; a socket whose ZMQ_FD did not signal has
+        nothing new (a send that may have taken its signal set :meth:`take_look`,
+        which made the reader look at every socket: ``ready`` is then everything)."""
         out = []
         for rank, sock in enumerate(self.dealers):
+            if self._zmq_fds[rank] not in ready:
+                continue
             while True:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -154,7 +163,7 @@ class Transport:
             if peer is None:
                 continue
             try:
-                records = peer.receive()
+                records = peer.receive(peer.fileno() in ready)
             except RingCorrupt as exc:
                 log.error("rank %d: malformed completion record, unread replies dropped "
                           "(their deadlines cover them): %s", rank, exc)

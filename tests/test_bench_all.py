@@ -28,7 +28,7 @@ PROVENANCE = re.compile(
     r"^Measured at commit `(?P<commit>[0-9a-f]{7,}(?P<dirty>\+dirty)?)`, "
     r"\d{4}-\d\d-\d\d \d\d:\d\d UTC, on (?P<machine>.+, \d+ CPUs, \d+ GiB, Python [\d.]+); "
     r"load average [\d.]+ at the start\. Commands: (?P<commands>.+?)\.(?P<rest>.*)$")
-TARGET = re.compile(r"^(>=|<=) [\d.]+( tasks/s)?$")
+TARGET = re.compile(r"^(>=|<=) [\d.]+( tasks/s| µs)?$")
 _LEFTOVER = re.compile(r"bench-(\d+)-")
 
 

@@ -717,7 +717,8 @@ class Reply:
     fields: dict = field(default_factory=dict)
 
 
-_REPLY_COMMON = ("v", "id", "rank", "ok", "code", "message", "tq", "tx")
+_REPLY_COMMON = frozenset(("v", "id", "rank", "ok", "code", "message", "tq", "tx"))
+_CODES = {int(c): c for c in ErrorCode}
 
 
 def encode_reply(req_id: int | None, rank: int, code: ErrorCode = ErrorCode.OK,
@@ -748,10 +749,9 @@ def decode_reply(raw: Any) -> Reply:
     if not isinstance(version, list) or not version or version[0] != PROTOCOL_VERSION[0]:
         raise ProtocolError(f"reply has unsupported protocol version {version!r}",
                             ErrorCode.VERSION_MISMATCH)
-    try:
-        code = ErrorCode(body.get("code", ErrorCode.PROTOCOL_ERROR))
-    except ValueError:
-        code = ErrorCode.PROTOCOL_ERROR
+    raw_code = body.get("code")
+    code = (_CODES.get(raw_code, ErrorCode.PROTOCOL_ERROR) if isinstance(raw_code, int)
+            else ErrorCode.PROTOCOL_ERROR)  # a dict, not an Enum call, per reply
     return Reply(
         id=body.get("id"),
         rank=body["rank"],

@@ -2,42 +2,40 @@
 
 Threads::
 
-    submitting threads (any number)          I/O thread "kvswap-client-io" (one)
+    submitting threads (any number)          reader thread "kvswap-client-io" (one)
     -------------------------------          -------------------------------------
-    check every argument; a bad one          owns, alone: the DEALER of every rank,
-      raises InvalidTask, nothing created      the receiving end of the wake PAIR,
-    futures + the message answering them       and the _Dispatcher: pending futures,
-      (an envelope)                            the deadline heap, open envelopes by
-    under _lock: outbox.extend(envelopes) -->  cs; per rank: epoch, frozen, backlog,
-                 wake (PAIR send)  -------->   replies owed (flow-control window)
-    return the future(s)                     loop: poll; watch ranks (freeze, queue
-                                               re-sends); take the outbox (assign
-                                               cs, send or queue); match replies;
-                                               expire deadlines; pump backlogs
+    check every argument; a bad one          poll: completion bells, the DEALERs'
+      raises InvalidTask, nothing created      ZMQ_FD, a wake pipe (no socket is
+    futures + the message answering them       touched outside the lock)
+      (an envelope)                          under _lock: watch ranks (freeze,
+    under _lock: the _Dispatcher assigns       queue re-sends); read every reply
+      cs and sends: encode, write to the       and match it; expire deadlines;
+      rank's ring or DEALER (Transport),       pump backlogs
+      or queue behind its backlog            then run the done-callbacks
+    return the future(s)
 
-Submitting threads only hand envelopes (futures + the message that answers
-them) to the I/O thread; nothing else in the client touches its state, so it
-needs no lock and no dict can change size under an iteration.  Futures
-complete on the I/O thread only, and so do their done-callbacks (a write-back
-load waiting for its evict is the dispatcher's state, not a callback).
+One lock covers the dispatcher (pending futures, the deadline heap, open
+envelopes by cs; per rank: epoch, frozen, backlog, replies owed) and every
+channel: the caller's thread sends its own message, with no hand-off on the way
+out, and one reader thread completes futures.  Done-callbacks run outside the
+lock, on the reader (a write-back load waiting for its evict is the
+dispatcher's state, not a callback).
 
-Every unit of the I/O thread's work (sending one envelope, handling one reply,
-watching one rank, expiring one future) is guarded: an unexpected exception is
-logged with its traceback and fails that unit's futures with INTERNAL_ERROR,
-and the thread carries on.  The deadline of every future still holds whatever
-happens.
+Every unit of work (sending one envelope, handling one reply, watching one
+rank, expiring one future) is guarded: an unexpected exception is logged with
+its traceback and fails that unit's futures with INTERNAL_ERROR, and the
+reader carries on.  The deadline of every future still holds whatever happens.
 
 Re-sends after a rank restart (docs/protocol.md section 10): every message
 carries the client's id ``cid`` and its sequence number ``cs`` (assigned when
-the I/O thread first sends it); when a restarted rank is READY again, whatever
-it owes is sent to it again in ``cs`` order, marked ``re``, so its daemon can
-answer from its completion journal instead of running a task twice.
+it is first sent); when a restarted rank is READY again, whatever it owes is
+sent to it again in ``cs`` order, marked ``re``, so its daemon can answer from
+its completion journal instead of running a task twice.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import heapq
 import itertools
 import logging
@@ -49,7 +47,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 from kvswap.client.errors import (
@@ -89,10 +87,11 @@ from kvswap.client.transport import Channel, Path, Transport
 
 log = logging.getLogger("kvswap.client")
 
-_WATCH_MS = 20  # how often the I/O thread looks for restarted ranks while work is pending
+_WATCH_MS = 20  # how often the reader looks for restarted ranks while work is pending
 _LINGER_S = 1.0  # ... and for this long after the last reply (a post then needs no wake-up)
-_CLOSE_JOIN_S = 10.0  # close() waits this long for the I/O thread, never longer
+_CLOSE_JOIN_S = 10.0  # close() waits this long for the reader thread, never longer
 _POLICIES = ("write_through", "write_back")
+_NO_BOUND = int(np.iinfo(np.int64).max)  # block limits before every rank published them
 # Flow control (see _Dispatcher): replies a rank may owe this client at once, and
 # the tasks of one batch message (small enough that a window holds a few).
 WINDOW = 384
@@ -155,18 +154,21 @@ class TaskResult:
 _pending_callbacks = threading.local()  # .calls: done-callbacks held until the lock is free
 
 
-@contextlib.contextmanager
-def _callbacks_deferred() -> Iterator[None]:
-    """Done-callbacks of futures completed inside run on leaving, in completion order:
-    the client's lock is never held while user code runs."""
-    outer = getattr(_pending_callbacks, "calls", None)
-    calls: list[tuple[Callable[["TransferFuture"], None], "TransferFuture"]] = []
-    _pending_callbacks.calls = calls
-    try:
-        yield
-    finally:
-        _pending_callbacks.calls = outer
-        for cb, fut in calls:
+class _CallbacksDeferred:
+    """``with _CallbacksDeferred():`` -- done-callbacks of futures completed inside
+    run on leaving, in completion order, so the client's lock is never held while
+    user code runs.  (A class, not a generator: it is on every call's path.)"""
+
+    __slots__ = ("_outer", "_calls")
+
+    def __enter__(self) -> None:
+        self._outer = getattr(_pending_callbacks, "calls", None)
+        self._calls: list[tuple[Callable[["TransferFuture"], None], "TransferFuture"]] = []
+        _pending_callbacks.calls = self._calls
+
+    def __exit__(self, *exc: object) -> None:
+        _pending_callbacks.calls = self._outer
+        for cb, fut in self._calls:
             try:
                 cb(fut)
             except Exception:  # a user callback must not kill the reader
@@ -183,7 +185,7 @@ class TransferFuture:
         self.backup: TransferFuture | None = None  # evict(..., backup_keys=...)
         self.op = op
         self.ranks = tuple(ranks)
-        self.deadline = deadline  # moved by the I/O thread only (a write-back load's sending)
+        self.deadline = deadline  # moved under the client's lock (a write-back load's sending)
         self.submitted = time.perf_counter()
         self.completed: float | None = None
         self._replies: dict[int, Reply] = {}
@@ -197,7 +199,7 @@ class TransferFuture:
         self._result: TaskResult | None = None
         self._callbacks: list[Callable[["TransferFuture"], None]] = []
 
-    # -- called by the I/O thread -------------------------------------------------
+    # -- called under the client's lock --------------------------------------------
     def _on_reply(self, reply: Reply) -> bool:
         """Record one rank's reply; True once the future is complete."""
         if reply.rank not in self.ranks or reply.rank in self._replies:
@@ -237,7 +239,7 @@ class TransferFuture:
         for cb in callbacks:
             try:
                 cb(self)
-            except Exception:  # a user callback must not kill the I/O thread
+            except Exception:  # a user callback must not kill the reader
                 log.exception("done-callback of task %d raised", self.task_id)
 
     # -- public ------------------------------------------------------------------
@@ -275,7 +277,7 @@ class TransferFuture:
         """Wait for every rank; raise :class:`TransferFailed` naming failing ranks and
         codes, or :class:`RankTimeout` naming the ranks that have not answered.
 
-        ``timeout=None`` waits until a second past the deadline (the I/O thread fails
+        ``timeout=None`` waits until a second past the deadline (the reader fails
         the future at the deadline itself; the deadline of a write-back load moves
         to its sending)."""
         if timeout is None:
@@ -316,7 +318,7 @@ class TransferFuture:
         return None if self.completed is None else self.completed - self.submitted
 
 
-# ====================================================================== I/O thread state
+# ====================================================================== dispatcher state
 
 class Wire(Protocol):
     """How the dispatcher reaches a rank (:class:`~kvswap.client.transport.Transport`)."""
@@ -352,16 +354,16 @@ class _Envelope:
 
 
 class _Dispatcher:
-    """Everything the I/O thread owns, apart from its sockets.
+    """The client's state, apart from its channels.
 
     Every call is made under the client's lock (submitting threads post, the
-    reader thread does the rest); ``wire`` is its only way out.  Every envelope with a future still open stays in
-    ``_open``, keyed and ordered by ``cs``; each rank has a FIFO ``_backlog`` of
-    envelopes not sent to it yet.
+    reader thread does the rest); ``wire`` is its only way out.  Every envelope
+    with a future still open stays in ``_open``, keyed and ordered by ``cs``;
+    each rank has a FIFO ``_backlog`` of envelopes not sent to it yet.
 
-    * An envelope gets its ``cs`` when the I/O thread takes it from the outbox,
-      and goes to each rank at once or, if that rank's backlog is not empty,
-      behind it: every rank receives the client's messages in ``cs`` order.
+    * An envelope gets its ``cs`` when it is posted, and goes to each rank at
+      once or, if that rank's backlog is not empty, behind it: every rank
+      receives the client's messages in ``cs`` order.
     * Flow control: a rank is sent a message only while the replies it owes
       (one per future of each message sent to it and not answered yet) stay
       within :data:`WINDOW`, or when it owes none.  A daemon's ROUTER queues at
@@ -516,13 +518,13 @@ class _Dispatcher:
 
     def internal_error(self, where: str, exc: BaseException,
                        futures: Iterable[TransferFuture]) -> None:
-        """A bug on the I/O thread costs the futures it touched, never the thread."""
+        """A bug costs the futures it touched, never the client."""
         hit = [f for f in futures if not f.done()]
-        log.error("client I/O thread: unexpected error while %s; failing %d task(s) with "
+        log.error("client: unexpected error while %s; failing %d task(s) with "
                   "INTERNAL_ERROR", where, len(hit), exc_info=exc)
         for f in hit:
             self._complete(f, error=KvswapError(
-                f"task {f.task_id} ({f.op.value}): the client's I/O thread failed while "
+                f"task {f.task_id} ({f.op.value}): the client failed while "
                 f"{where}: {type(exc).__name__}: {exc} (the client log has the traceback)",
                 ErrorCode.INTERNAL_ERROR))
 
@@ -825,12 +827,12 @@ class TransferClient:
         """Smallest device/host block counts over ranks; no bound while a rank has not
         published them yet."""
         self._check_open()
-        dev = int(self.seg.ranks[:, R.NUM_DEVICE_BLOCKS].min())
-        host = int(self.seg.ranks[:, R.NUM_HOST_BLOCKS].min())
+        ranks = self.seg.ranks
+        dev = min(ranks[:, R.NUM_DEVICE_BLOCKS].tolist())  # a few ranks: no numpy reduction
+        host = min(ranks[:, R.NUM_HOST_BLOCKS].tolist())
         if dev and host:
             return dev, host
-        big = int(np.iinfo(np.int64).max)
-        return big, big
+        return _NO_BOUND, _NO_BOUND
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1036,7 +1038,7 @@ class TransferClient:
 
     def _submit(self, envelopes: Sequence[_Envelope]) -> None:
         """Send envelopes, in this order, from the calling thread (under the lock)."""
-        with _callbacks_deferred(), self._lock:
+        with _CallbacksDeferred(), self._lock:
             self._check_open()
             for env in envelopes:
                 self._io.post(env)
@@ -1098,7 +1100,7 @@ class TransferClient:
         """One round of the reader (``ready``: the descriptors poll found readable);
         True once the client is closed and drained.  Done-callbacks run after it lets
         go of the lock."""
-        with _callbacks_deferred(), self._lock:
+        with _CallbacksDeferred(), self._lock:
             try:
                 self._idle = False
                 if self._look_all:
@@ -1138,9 +1140,9 @@ class TransferClient:
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Stop the I/O thread; pending futures fail with SHUTTING_DOWN.
+        """Stop the reader thread; pending futures fail with SHUTTING_DOWN.
 
-        Never hangs: the I/O thread is joined for at most 10 s.  If it is still
+        Never hangs: the reader is joined for at most 10 s.  If it is still
         inside a done-callback by then (or close() is called from one), it
         finishes the teardown itself when the callback returns, and the signal
         segment is left to the garbage collector."""
@@ -1153,7 +1155,7 @@ class TransferClient:
             return
         self._thread.join(timeout=_CLOSE_JOIN_S)
         if self._thread.is_alive():
-            log.warning("TransferClient.close(): the I/O thread is still busy after %.0fs "
+            log.warning("TransferClient.close(): the reader thread is still busy after %.0fs "
                         "(a slow done-callback?); it tears down when that returns",
                         _CLOSE_JOIN_S)
             return

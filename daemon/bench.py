@@ -181,6 +181,7 @@ def bench_layerwise(args: argparse.Namespace) -> dict:
                 if i >= 2:  # the first two warm the pages and the code paths
                     first.append(t_first)
                     full.append(t_full)
+            path = path_used(client)
         finally:
             progress.close()
     f50, t50 = statistics.median(first), statistics.median(full)
@@ -190,7 +191,7 @@ def bench_layerwise(args: argparse.Namespace) -> dict:
         "layers": layers, "blocks": nblocks, "bytes": bytes_moved,
         "first_layer_us": round(f50 * 1e6, 1), "full_load_us": round(t50 * 1e6, 1),
         "target_us": round(target * 1e6, 1), "meets_target": f50 <= target,
-        "first_over_full": round(f50 / t50, 4), "path": path_used(client),
+        "first_over_full": round(f50 / t50, 4), "path": path,
     }}
 
 

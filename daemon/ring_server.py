@@ -30,6 +30,7 @@ log = logging.getLogger("kvswap.daemon")
 
 RING_IDENTITY = b"\x00ring"  # the peer identity of ring requests (scopes cancel)
 OnRequest = Callable[[list, int, object, bool], None]
+BURST = 256  # requests served per drain() before the I/O loop looks at everything else
 
 
 class _Frame:
@@ -69,6 +70,7 @@ class RingServer:
             Bell.create(self._rq_path)
             Bell.create(self._cq_path)
             self._rx = Bell.listen(self._rq_path)
+            self._self_ring = Bell.connect(self._rq_path)
             self._tx = Bell.listen(self._cq_path)  # read/write: writable with no client
         except BaseException:
             self._unlink()
@@ -82,11 +84,14 @@ class RingServer:
         return self._rx.fileno()
 
     def drain(self) -> None:
-        """Serve every request on the ring, then sleep-arm it (I/O thread)."""
+        """Serve the requests on the ring, then sleep-arm it (I/O thread).  At most
+        :data:`BURST` per call, like the ROUTER's reads, so replies and the other
+        sockets are not starved; with more waiting it rings its own bell, so the
+        loop comes back at once."""
         self._rx.drain()
         self._flush()
         rq = self._seg.request
-        while True:
+        for _ in range(BURST):
             try:
                 frames = rq.get()
             except RingCorrupt as exc:
@@ -104,6 +109,7 @@ class RingServer:
             crashpoints.hit("ring.read")
             self._on_request([_Frame(RING_IDENTITY), *map(_Frame, frames)], 0, self._sender,
                              False)
+        self._self_ring.ring()
 
     def send(self, frames: list) -> None:
         """Write one reply, or queue it behind those waiting for room."""
@@ -130,8 +136,8 @@ class RingServer:
         if self._backlog:
             log.warning("rank %d: %d ring replies never found room", self.rank,
                         len(self._backlog))
-        self._rx.close()
-        self._tx.close()
+        for bell in (self._rx, self._self_ring, self._tx):
+            bell.close()
         self._unlink()
 
     def _unlink(self) -> None:

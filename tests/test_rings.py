@@ -425,3 +425,23 @@ def test_one_client_owns_the_rings_others_use_zeromq(namespaces):
     finally:
         first.close()
         second.close()
+
+
+def test_a_flood_is_served_in_bursts_without_losing_the_rest(names):
+    served = []
+    server = RingServer(names, 0, 1, lambda frames, *_: served.append(frames[1].bytes),
+                        capacity=1 << 16)
+    try:
+        peer = RingPeer.open(names, 0, 1, owner_token(os.getpid(), 1))
+        n = 300  # more than one burst
+        for i in range(n):
+            assert peer.send([struct.pack("<I", i)])
+        bursts = 0
+        while len(served) < n:
+            assert select.select([server], [], [], 5)[0], "the rest was left without a bell"
+            server.drain()
+            bursts += 1
+        assert bursts == 2 and served == [struct.pack("<I", i) for i in range(n)]
+        peer.close()
+    finally:
+        server.close()

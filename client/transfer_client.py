@@ -83,7 +83,7 @@ from kvswap.client.protocol import (
     validate_transfer,
 )
 from kvswap.client.signals import R, RankState, SignalSegment, wait_ranks
-from kvswap.client.transport import Channel, Path, Transport
+from kvswap.client.transport import Channel, PathChoice, Transport
 
 log = logging.getLogger("kvswap.client")
 
@@ -744,10 +744,10 @@ class TransferClient:
         task_timeout = _seconds(task_timeout, "task_timeout", positive=True)
         if path is None:
             path = "zmq" if tcp is not None else "ring"
-        if path not in (p.value for p in Path):
+        if path not in (p.value for p in PathChoice):
             raise InvalidTask(f"path must be 'ring' or 'zmq', got {path!r:.60}",
                               ErrorCode.BAD_FIELD)
-        if path == Path.RING.value and tcp is not None:
+        if path == PathChoice.RING.value and tcp is not None:
             raise InvalidTask("path='ring' needs this node's ipc:// sockets; a tcp:// client "
                               "uses path='zmq'", ErrorCode.BAD_FIELD)
         if tcp is not None:
@@ -772,7 +772,7 @@ class TransferClient:
         self._ids = itertools.count((secrets.randbits(31) << 32) + 1)
         self.cid = secrets.randbelow(CID_LIMIT - 1) + 1  # 1 <= cid < CID_LIMIT
         self._secret = bytes(secret) if tcp is not None else None
-        self.path = Path(path)
+        self.path = PathChoice(path)
         self._wire = Transport(self.names, endpoints, self.path, self.cid,
                                lambda r: int(self.seg.ranks[r, R.EPOCH]), self._secret)
         self._ctx = self._wire.ctx

@@ -43,7 +43,7 @@ class Channel(enum.Enum):
     ZMQ = "zmq"
 
 
-class Path(str, enum.Enum):
+class PathChoice(str, enum.Enum):
     """The ``path`` option of a TransferClient."""
 
     RING = "ring"  # shared-memory rings where possible, ZeroMQ for the rest
@@ -53,7 +53,7 @@ class Path(str, enum.Enum):
 class Transport:
     """Every channel of one client to every rank."""
 
-    def __init__(self, names: Names, endpoints: Sequence[str], path: Path, client_id: int,
+    def __init__(self, names: Names, endpoints: Sequence[str], path: PathChoice, client_id: int,
                  rank_epoch: Callable[[int], int], secret: bytes | None = None):
         self.names = names
         self.path = path
@@ -78,7 +78,7 @@ class Transport:
     # ------------------------------------------------------------------ sending
     def channel(self, frames: Sequence[object], rank: int) -> Channel:
         """The channel this message wants to ``rank``."""
-        if self.path is Path.RING and self._ring(rank) is not None:
+        if self.path is PathChoice.RING and self._ring(rank) is not None:
             peer = self.rings[rank]
             assert peer is not None
             if fits(frames, peer.seg.capacity):

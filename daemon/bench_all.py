@@ -81,6 +81,7 @@ class Target:
 CONTROL_P50_VS_FLOOR = Target(Cmp.AT_MOST, 2.0)
 CONTROL_BASELINE_VS_KVSWAP = Target(Cmp.AT_LEAST, 5.0)
 CONTROL_TASKS_PER_S_TP1 = Target(Cmp.AT_LEAST, 20000, "tasks/s")  # absolute, at TP 1 only
+CONTROL_ENGINE_CPU_TP1 = Target(Cmp.AT_MOST, 80, "µs")  # engine process CPU per task, TP 1
 DATA_RATIO_SMALL = Target(Cmp.AT_LEAST, 0.40)  # blocks below DATA_LARGE_BLOCK
 DATA_RATIO_LARGE = Target(Cmp.AT_LEAST, 0.80)
 DATA_LARGE_BLOCK = 64 << 10
@@ -129,16 +130,21 @@ def render_control(result: dict[str, Any]) -> list[str]:
                   *judged(CONTROL_TASKS_PER_S_TP1 if r["tp"] == 1 else None,
                           r["kvswap_tasks_per_s"]),
                   r["kvswap_cpu_us"], r["floor_cpu_us"], r["baseline_cpu_us"],
-                  r["tasks_per_system"]]
+                  r["tasks_per_system"], r["path"], r["engine_cpu_us"],
+                  *judged(CONTROL_ENGINE_CPU_TP1 if r["tp"] == 1 else None,
+                          r["engine_cpu_us"])]
                  for r in rows]
     return ["Sequential round trips of a 1-block evict:", "",
             *md_table(["TP", "kvswap p50 µs", "kvswap p99 µs", "floor p50 µs", "baseline p50 µs",
                        "p50 / floor", "target", "met", "baseline / kvswap p50", "target", "met"],
                       latency),
-            "", "Pipelined tasks, and CPU per round trip (every process of each system):", "",
+            "", "Pipelined tasks, CPU per round trip (every process of each system) and "
+            "the engine process's share of kvswap's (all its threads), by the client's "
+            "path:", "",
             *md_table(["TP", "kvswap tasks/s", "floor tasks/s", "baseline tasks/s",
                        "kvswap / floor", "target", "met", "kvswap CPU µs", "floor CPU µs",
-                       "baseline CPU µs", "tasks per system"], pipelined)]
+                       "baseline CPU µs", "tasks per system", "path", "engine CPU µs",
+                       "target", "met"], pipelined)]
 
 
 def render_data(result: dict[str, Any]) -> list[str]:

@@ -41,6 +41,7 @@ from kvswap.daemon import crashpoints
 from kvswap.daemon.connections import ConnectionGuard
 from kvswap.daemon.jobs import Completion, Handler, Job, Route
 from kvswap.daemon.rank import RankContext
+from kvswap.daemon.ring_server import RingServer
 
 log = logging.getLogger("kvswap.daemon")
 
@@ -133,6 +134,10 @@ class IoLoop:
         signal.set_wakeup_fd(self._sig_w.fileno(), warn_on_full_buffer=False)
         for s in STOP_SIGNALS:
             signal.signal(s, lambda *_: None)
+        self._handlers: dict[Op, Handler] = {}  # serve()'s table; ring requests use it too
+        # the shared-memory rings beside the ipc:// socket (docs/protocol.md section 15)
+        self._rings = RingServer(rank.names, rank.index, rank.epoch,
+                                 lambda *message: self._on_request(self._handlers, *message))
 
     def _bind(self) -> ConnectionGuard:
         """Bind the ROUTER(s), each limited to frames a valid request can carry, and
@@ -176,6 +181,8 @@ class IoLoop:
         poller.register(self._sig_r, zmq.POLLIN)
         if self.tcp_router is not None:
             poller.register(self.tcp_router, zmq.POLLIN)
+        self._handlers = handlers
+        poller.register(self._rings.fileno(), zmq.POLLIN)
         stopping = self._rank.stopping
         while True:
             if stopping.is_set() and workers_done():
@@ -189,6 +196,8 @@ class IoLoop:
                     begin_stop(f"signal {', '.join(stops)}")
             if self._done.rx in events:
                 self.flush_completions()
+            if self._rings.fileno() in events:
+                self._rings.drain()
             for sock, signed in ((self.router, False), (self.tcp_router, True)):
                 if sock is None or sock not in events:
                     continue
@@ -336,6 +345,7 @@ class IoLoop:
     def close(self) -> None:
         """Close every socket and the context (after the loop and every worker ended)."""
         self._guard.close()
+        self._rings.close()
         signal.set_wakeup_fd(-1)
         self._sig_r.close()
         self._sig_w.close()

@@ -46,6 +46,7 @@ from kvswap.client.protocol import (
 )
 from kvswap.client.signals import R, RankState, poll_until
 from kvswap.client.transfer_client import TransferFuture, _Dispatcher, _Envelope
+from kvswap.client.transport import Channel
 from kvswap.daemon.supervisor import SupervisorConfig
 
 from conftest import SMALL_LAYOUT, wait_for_state
@@ -376,18 +377,24 @@ def test_concurrent_submitters_survive_repeated_kill_9(namespaces, monkeypatch, 
 
 
 class Wire:
-    """A fake transmit: what the I/O thread would send, as (rank, header, id frames)."""
+    """A fake wire (ZeroMQ only): what the dispatcher sends, as (rank, header, id frames)."""
 
     def __init__(self):
         self.sent: list[tuple[int, dict, list]] = []
         self.fail_id: int | None = None
 
-    def __call__(self, frames, ranks):
+    def channel(self, frames, rank):
+        return Channel.ZMQ
+
+    def send(self, frames, rank, channel):
         header = msgpack.unpackb(frames[0], raw=False)
         if header["id"] == self.fail_id:
             raise RuntimeError("injected transmit fault")
-        for r in ranks:
-            self.sent.append((r, header, frames[1:]))
+        self.sent.append((rank, header, frames[1:]))
+        return True
+
+    def reconnect(self, rank):
+        pass
 
     def take(self, rank: int | None = None) -> list[dict]:
         """Headers sent (to ``rank``) since the last take, in send order."""

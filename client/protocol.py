@@ -142,6 +142,11 @@ class OpSpec:
     # returns, until the daemon finishes it: a peer receive, whose bytes are written by
     # another node's daemon (daemon/peer.py).
     held: bool = False
+    # Every rank agrees on its outcome (a prefetch's count): the ranks must run such
+    # tasks in the same order, or two ranks can each wait in the agreement of a task
+    # the other has not started, until --storage-timeout.  So a rank runs them in
+    # admission order among themselves, which one client makes the same everywhere.
+    agreed: bool = False
 
     def __post_init__(self) -> None:
         if (self.kind is HandlerKind.TRANSFER) != (self.lane is not Lane.NONE):
@@ -183,7 +188,8 @@ OPS: dict[Op, OpSpec] = {
                {"count": int, "skipped": int}, {"ep": list, "priority": int},
                lane=Lane.STORAGE, timed=True),
         OpSpec(Op.PREFETCH, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, {"count": int},
-               {"ep": list, "priority": int}, lane=Lane.STORAGE, urgent=True, timed=True),
+               {"ep": list, "priority": int}, lane=Lane.STORAGE, urgent=True, timed=True,
+               agreed=True),
         OpSpec(Op.EXISTS, {"n": int}, 1, HandlerKind.TRANSFER, {"count": int}, {"ep": list},
                lane=Lane.STORAGE),
         OpSpec(Op.PAUSE, {}, 0, HandlerKind.INLINE, {}),

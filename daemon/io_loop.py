@@ -82,15 +82,20 @@ class CompletionQueue:
                 pass
 
     def take(self) -> list[Completion]:
-        """Every completion queued so far (I/O thread).  The flag is cleared first, so
-        a completion queued while this runs sends a new wake-up."""
-        with self._lock:
-            self._wake_pending = False
+        """Every completion queued so far (I/O thread).
+
+        Order matters: read the wake-ups, then clear the flag, then empty the deque.
+        A completion queued before the flag is cleared is in the deque when it is
+        emptied; one queued after sees the flag clear and sends a wake-up.  (Clearing
+        the flag before reading could swallow a wake-up sent in between, leaving the
+        flag set with no wake-up pending: no completion would wake this thread again.)"""
         while True:
             try:
                 self.rx.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
+        with self._lock:
+            self._wake_pending = False
         out = []
         while self._items:
             out.append(self._items.popleft())

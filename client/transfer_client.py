@@ -82,7 +82,7 @@ from kvswap.client.protocol import (
     validate_storage,
     validate_transfer,
 )
-from kvswap.client.signals import R, RankState, SignalSegment, wait_ranks
+from kvswap.client.signals import RankSlot, RankState, SignalSegment, wait_ranks
 from kvswap.client.transport import Channel, PathChoice, Transport
 
 log = logging.getLogger("kvswap.client")
@@ -774,10 +774,10 @@ class TransferClient:
         self._secret = bytes(secret) if tcp is not None else None
         self.path = PathChoice(path)
         self._wire = Transport(self.names, endpoints, self.path, self.cid,
-                               lambda r: int(self.seg.ranks[r, R.EPOCH]), self._secret)
+                               lambda r: int(self.seg.ranks[r, RankSlot.EPOCH]), self._secret)
         self._ctx = self._wire.ctx
         self._io = _Dispatcher(tp_size, self.cid, self._wire, task_timeout,
-                               rank_epoch=lambda r: int(self.seg.ranks[r, R.EPOCH]),
+                               rank_epoch=lambda r: int(self.seg.ranks[r, RankSlot.EPOCH]),
                                rank_ready=lambda r: self.seg.state_of(r) == RankState.READY,
                                describe=self._describe, signed=self._secret is not None)
         # Under _lock: the dispatcher, every send, _closed, _idle.  Re-entrant: a
@@ -803,7 +803,7 @@ class TransferClient:
         state = self.seg.state_of(r)
         age = self.seg.heartbeat_age_s(r)
         beat = "no heartbeat" if age is None else f"heartbeat {age:.1f}s ago"
-        err = self.seg.ranks[r, R.LAST_ERROR]
+        err = self.seg.ranks[r, RankSlot.LAST_ERROR]
         extra = f", last error {int(err)}" if err else ""
         return (f"rank {r} is {state.name} ({beat}{extra}; log "
                 f"{self.names.log_path(r)})")
@@ -828,8 +828,8 @@ class TransferClient:
         published them yet."""
         self._check_open()
         ranks = self.seg.ranks
-        dev = min(ranks[:, R.NUM_DEVICE_BLOCKS].tolist())  # a few ranks: no numpy reduction
-        host = min(ranks[:, R.NUM_HOST_BLOCKS].tolist())
+        dev = min(ranks[:, RankSlot.NUM_DEVICE_BLOCKS].tolist())  # a few ranks: no numpy reduction
+        host = min(ranks[:, RankSlot.NUM_HOST_BLOCKS].tolist())
         if dev and host:
             return dev, host
         return _NO_BOUND, _NO_BOUND

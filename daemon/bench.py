@@ -43,7 +43,7 @@ from kvswap.client.block_keys import block_hashes
 from kvswap.client.errors import ErrorCode, KvswapError
 from kvswap.client.layer_progress import LayerProgress
 from kvswap.client.layout import demo_layout
-from kvswap.client.signals import R, poll_until
+from kvswap.client.signals import RankSlot, poll_until
 from kvswap.client.transfer_client import TransferClient, TransferSpec
 from kvswap.daemon import bench_peer, bench_trace
 from kvswap.daemon.bench_refs import (
@@ -248,7 +248,7 @@ class _KvswapControl:
         return _pipelined(self.client, n, window, self.blocks)
 
     def server_pids(self) -> list[int]:
-        return [int(self.client.seg.ranks[r, R.PID]) for r in range(self.client.tp_size)]
+        return [int(self.client.seg.ranks[r, RankSlot.PID]) for r in range(self.client.tp_size)]
 
     def pause(self) -> None:
         """Idle daemons sleep in their poller: nothing to park."""
@@ -258,7 +258,8 @@ class _KvswapControl:
 
     def served(self) -> list[int]:
         """Tasks each rank completed, from the signal segment."""
-        return [int(self.client.seg.ranks[r, R.COMPLETED]) for r in range(self.client.tp_size)]
+        ranks = self.client.seg.ranks
+        return [int(ranks[r, RankSlot.COMPLETED]) for r in range(self.client.tp_size)]
 
 
 def _rotated(items: Sequence, k: int) -> list:

@@ -36,7 +36,7 @@ from kvswap.client.protocol import (
     max_frame_bytes,
     peek_request_id,
 )
-from kvswap.client.signals import HIST_OPS, R
+from kvswap.client.signals import HIST_OPS, RankSlot
 from kvswap.daemon import crashpoints
 from kvswap.daemon.connections import ConnectionGuard
 from kvswap.daemon.jobs import Completion, Handler, Job, Route
@@ -252,7 +252,7 @@ class IoLoop:
         # precision cuts it, so no value can forge or flood a log line.
         log.warning("rejected %s %.200r: [%d] %.200r", op, req_id, exc.code, exc.message)
         self._rank.sm.note_error(exc.code)
-        self._rank.sig.add(R.FAILED, 1)
+        self._rank.sig.add(RankSlot.FAILED, 1)
         self._rank.stats.error(exc.code)
         self.reply(route, req_id, exc.code, exc.message)
 
@@ -314,13 +314,14 @@ class IoLoop:
         job = c.job
         sig, stats = self._rank.sig, self._rank.stats
         if OPS[job.op].kind is HandlerKind.TRANSFER:
-            sig.add(R.INFLIGHT, -1)
+            sig.add(RankSlot.INFLIGHT, -1)
             if c.code == ErrorCode.OK:
-                sig.add(R.COMPLETED, 1)
+                sig.add(RankSlot.COMPLETED, 1)
                 if job.op in (Op.EVICT, Op.LOAD):
-                    sig.add(R.BYTES_EVICTED if job.op is Op.EVICT else R.BYTES_LOADED, c.nbytes)
+                    sig.add(RankSlot.BYTES_EVICTED if job.op is Op.EVICT
+                            else RankSlot.BYTES_LOADED, c.nbytes)
             elif c.code != ErrorCode.CANCELLED:
-                sig.add(R.FAILED, 1)
+                sig.add(RankSlot.FAILED, 1)
             if c.code != ErrorCode.OK:
                 stats.error(c.code)
             timed = _HIST_INDEX.get(job.op)
@@ -342,7 +343,7 @@ class IoLoop:
         self._answer_pause_waiters()
 
     def _answer_pause_waiters(self) -> None:
-        if self._pause_waiters and self._rank.sig[R.INFLIGHT] == 0:
+        if self._pause_waiters and self._rank.sig[RankSlot.INFLIGHT] == 0:
             for job in self._pause_waiters:
                 self.reply(job.route, job.req_id, ErrorCode.OK)
             self._pause_waiters = []

@@ -29,7 +29,7 @@ import numpy as np
 from kvswap.client.auth import load_secret
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError
 from kvswap.client.protocol import Op, Request, decode_id_frame, first_duplicate
-from kvswap.client.signals import R
+from kvswap.client.signals import RankSlot
 from kvswap.client.ticket import Ticket, TicketRefused
 from kvswap.daemon.attachment import Attachment, AttachmentSlot
 from kvswap.daemon.exactly_once import ExactlyOnce
@@ -134,7 +134,7 @@ class PeerOps:
             work = _Send(ticket, raw)
         att = self._slot.current
         assert att is not None  # READY implies attached
-        self._rank.sig.add(R.INFLIGHT, 1)
+        self._rank.sig.add(RankSlot.INFLIGHT, 1)
         with self._lock:  # a peer worker may take the task at once: it looks it up here
             task = att.scheduler.submit(job.op, _NO_DEVICE, host,
                                         priority=int(req.header.get("priority", 0)), ctx=job)

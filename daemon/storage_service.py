@@ -22,7 +22,7 @@ from kvswap.client.protocol import (
     decode_keys,
     validate_storage,
 )
-from kvswap.client.signals import R
+from kvswap.client.signals import RankSlot
 from kvswap.daemon.exactly_once import ExactlyOnce
 from kvswap.daemon.jobs import Completion, Job, Origin
 from kvswap.daemon.journal import JOURNALED_OPS
@@ -114,7 +114,7 @@ class StorageService:
         no_devices = np.empty(0, dtype=np.int64)
         if req.op in JOURNALED_OPS:  # exists changes nothing: running it twice is harmless
             self._exactly.admit(job, origin, no_devices, host, keys=job.keys)
-        rank.sig.add(R.INFLIGHT, 1)
+        rank.sig.add(RankSlot.INFLIGHT, 1)
         att.scheduler.submit(req.op, no_devices, host,
                              priority=int(req.header.get("priority", 0)), ctx=job)
 

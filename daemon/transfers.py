@@ -24,7 +24,7 @@ from kvswap.client.protocol import (
     decode_transfer,
     validate_transfer,
 )
-from kvswap.client.signals import R
+from kvswap.client.signals import RankSlot
 from kvswap.daemon import crashpoints
 from kvswap.daemon.attachment import Attachment, AttachmentSlot
 from kvswap.daemon.backend import Backend
@@ -93,7 +93,7 @@ class Transfers:
         if layerwise and job.op is not Op.LOAD:
             raise InvalidTask("layerwise applies to load only", ErrorCode.BAD_FIELD)
         self._exactly.admit(job, origin, dev, host, layerwise=layerwise)
-        self._rank.sig.add(R.INFLIGHT, 1)
+        self._rank.sig.add(RankSlot.INFLIGHT, 1)
         small = dev.shape[0] * att.block_bytes <= self._rank.cfg.inline_max_bytes
         task = att.scheduler.submit(job.op, dev, host, priority=int(fields.get("priority", 0)),
                                     layerwise=layerwise, ctx=job,

@@ -32,7 +32,7 @@ import pytest
 
 from kvswap.client import TransferClient, TransferSpec
 from kvswap.client.layout import TensorDesc, demo_layout
-from kvswap.client.signals import R, RankState, poll_until
+from kvswap.client.signals import RankSlot, RankState, poll_until
 from kvswap.daemon.crashpoints import POINTS
 from kvswap.daemon.demo import RankView, pattern
 from kvswap.daemon.supervisor import SupervisorConfig
@@ -142,11 +142,11 @@ class Workload:
 
 
 def _wait_restarted(launcher, rank: int, epoch: int) -> None:
-    ok = poll_until(lambda: True if (int(launcher.seg.ranks[rank, R.EPOCH]) > epoch and
+    ok = poll_until(lambda: True if (int(launcher.seg.ranks[rank, RankSlot.EPOCH]) > epoch and
                                      launcher.seg.state_of(rank) == RankState.READY) else None,
                     time.monotonic() + 30)
     assert ok, (f"rank {rank} did not come back READY after epoch {epoch}: "
-                f"{launcher.progress()}, epoch {int(launcher.seg.ranks[rank, R.EPOCH])}, "
+                f"{launcher.progress()}, epoch {int(launcher.seg.ranks[rank, RankSlot.EPOCH])}, "
                 f"log: {launcher.names.log_path(rank, launcher.log_dir).read_text()[-3000:]}")
 
 
@@ -172,7 +172,7 @@ def test_kill_the_moment_b_is_acknowledged(namespaces, tp, path):
         with Supervising(launcher) as sup:
             for i in range(kills):
                 rank = rng.randrange(tp)
-                epoch = int(launcher.seg.ranks[rank, R.EPOCH])
+                epoch = int(launcher.seg.ranks[rank, RankSlot.EPOCH])
                 pid = launcher.procs[rank].pid
                 killed = threading.Event()
 
@@ -210,13 +210,13 @@ def test_crash_point(namespaces, monkeypatch, point, tp, clients):
     work = Workload(launcher, clients=clients, tp=tp)
     try:
         with Supervising(launcher) as sup:
-            epochs = [int(launcher.seg.ranks[r, R.EPOCH]) for r in range(tp)]
+            epochs = [int(launcher.seg.ranks[r, RankSlot.EPOCH]) for r in range(tp)]
             rounds = [work.start_round(k) for k in range(clients)]
             marker = launcher.names.run_dir / f"crashed-at-{point}"
             fired = poll_until(lambda: True if marker.exists() else None, time.monotonic() + 60)
             assert fired, f"the daemon never reached {point} #{n}"
             crashed = [r for r in range(tp) if launcher.procs[r].poll() is not None
-                       or int(launcher.seg.ranks[r, R.EPOCH]) > epochs[r]]
+                       or int(launcher.seg.ranks[r, RankSlot.EPOCH]) > epochs[r]]
             for rank in crashed:
                 _wait_restarted(launcher, rank, epochs[rank])
             for rnd in rounds:

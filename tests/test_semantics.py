@@ -25,7 +25,7 @@ from kvswap.client import (
 )
 from kvswap.client.layout import TensorDesc, demo_layout
 from kvswap.client.protocol import BatchItem, Op, decode_reply, encode_batch
-from kvswap.client.signals import R, RankState, poll_until
+from kvswap.client.signals import RankSlot, RankState, poll_until
 from kvswap.daemon.demo import RankView, pattern
 
 from conftest import wait_for_state
@@ -284,7 +284,7 @@ def test_batch_answers_each_task_by_its_own_id(namespaces):
         assert client.submit_batch([]) == []
         with pytest.raises(InvalidTask):  # validated whole before anything is sent
             client.submit_batch([TransferSpec.evict([1], [1]), TransferSpec.evict([99], [1])])
-    counters = launcher.seg.ranks[:, R.COMPLETED]
+    counters = launcher.seg.ranks[:, RankSlot.COMPLETED]
     assert counters.tolist() == [3, 3]
 
     peer = RawPeer(launcher.names.endpoint(0))
@@ -320,14 +320,14 @@ def test_write_policies(namespaces, policy, rank0_done_while_rank1_stopped):
         os.kill(pid1, signal.SIGSTOP)
         try:
             ev, ld = client.submit_swap(evict=([1, 2], [4, 5]), load=([6], [0]), policy=policy)
-            assert poll_until(lambda: True if int(seg.ranks[0, R.COMPLETED]) >=
+            assert poll_until(lambda: True if int(seg.ranks[0, RankSlot.COMPLETED]) >=
                               rank0_done_while_rank1_stopped else None, time.monotonic() + 20)
             # rank 1 is stopped: the evict cannot complete, so write_back holds the load
-            assert int(seg.ranks[0, R.COMPLETED]) == rank0_done_while_rank1_stopped
+            assert int(seg.ranks[0, RankSlot.COMPLETED]) == rank0_done_while_rank1_stopped
             assert not ev.done() and not ld.done()
         finally:
             os.kill(pid1, signal.SIGCONT)
         assert ev.result(20) and ld.result(20)
         with pytest.raises(ValueError):
             client.submit_swap(([1], [1]), ([1], [1]), policy="sometimes")
-    assert seg.ranks[:, R.COMPLETED].tolist() == [2, 2]
+    assert seg.ranks[:, RankSlot.COMPLETED].tolist() == [2, 2]

@@ -180,21 +180,45 @@ def render_layerwise(result: dict[str, Any]) -> list[str]:
           "met" if r["meets_target"] else "not met"]])
 
 
+# The reference each storage backend's row is measured against: (writes, reads).
+_STORAGE_REFERENCES = {
+    "file": ("plain file writes", "plain file reads"),
+    "redis": ("pipelined SET", "one MGET"),
+    "mooncake": ("raw batch_put_from", "raw batch_get_into"),
+    "mooncake-backend": ("raw batch_put_from", "raw batch_get_into"),
+}
+
+
 def render_storage(result: dict[str, Any]) -> list[str]:
     rows = []
     for r in result["storage"]:
         file = r["backend"] == "file"
         store = ("cold (page cache dropped)" if r["cold"] else "warm (in the page cache)"
                  ) if file else "loopback"
+        writes, reads = _STORAGE_REFERENCES[r["backend"]]
         for op, ours, ref, ratio, ref_name in (
-                ("backup", "backup_gbps", "reference_write_gbps", "backup_ratio",
-                 "plain file writes" if file else "pipelined SET"),
-                ("prefetch", "prefetch_gbps", "reference_read_gbps", "prefetch_ratio",
-                 "plain file reads" if file else "one MGET")):
+                ("backup", "backup_gbps", "reference_write_gbps", "backup_ratio", writes),
+                ("prefetch", "prefetch_gbps", "reference_read_gbps", "prefetch_ratio", reads)):
             rows.append([r["backend"], store, r["blocks"], size_text(r["block_bytes"]), op,
                          r[ours], ref_name, r[ref], r[ratio], *judged(STORAGE_RATIO, r[ratio])])
     return md_table(["backend", "store", "blocks", "block", "op", "kvswap GB/s", "reference",
                      "reference GB/s", "ratio", "target", "met"], rows)
+
+
+PEER_RATIO = Target(Cmp.AT_LEAST, 0.7)  # node-to-node GB/s vs raw batch_transfer_sync_write
+
+
+def render_peer(result: dict[str, Any]) -> list[str]:
+    rows = [[r["tp"], f"{r['block_kib']} KiB", r["blocks"], r["peer_gbps"], r["raw_gbps"],
+             round(r["ratio"], 2), *judged(PEER_RATIO, r["ratio"])] for r in result["peer"]]
+    lines = md_table(["TP", "block (per tensor)", "blocks", "peer GB/s",
+                      "raw batch_transfer_sync_write GB/s", "ratio", "target", "met"], rows)
+    one = [r for r in result["peer"] if "one_block_peer_p50_us" in r]
+    if one:
+        lines += ["", f"One block (TP {one[0]['tp']}, {one[0]['block_kib']} KiB per tensor): "
+                      f"peer p50 {one[0]['one_block_peer_p50_us']} µs, raw p50 "
+                      f"{one[0]['one_block_raw_p50_us']} µs."]
+    return lines
 
 
 def render_hostcache(result: dict[str, Any]) -> list[str]:
@@ -347,12 +371,46 @@ def redis_unavailable() -> str | None:
     return None
 
 
+def mooncake_unavailable(module: str) -> str | None:
+    """Why a bench needing Mooncake's ``module`` (``mooncake.store`` for the storage
+    tier, ``mooncake.engine`` for peer transfer) cannot run here, or None."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        return f"{module} is missing (pip install 'kvswap[mooncake]')"
+    if module == "mooncake.store":
+        from kvswap.daemon.storage.mooncake_master import find_master
+
+        if find_master() is None:
+            return "mooncake_master is not installed (pip install 'kvswap[mooncake]')"
+    return None
+
+
 def storage_plan(quick: bool) -> tuple[list[list[str]], list[str]]:
-    """Cold file store (and Redis when it can run), then the warm file store."""
+    """Cold file store (with Redis and Mooncake Store where they can run), then the
+    warm file store."""
     size = ["--blocks", "4", "--repeat", "1"] if quick else []
-    why = redis_unavailable()
-    cold = ["--cold", *size] if why else ["--cold", "--redis", "auto", *size]
-    return [cold, size], [f"Redis not measured: {why}."] if why else []
+    cold, notes = ["--cold", *size], []
+    for name, why, flag in (("Redis", redis_unavailable(), "--redis"),
+                            ("Mooncake Store", mooncake_unavailable("mooncake.store"),
+                             "--mooncake")):
+        if why:
+            notes.append(f"{name} not measured: {why}.")
+        else:
+            cold += [flag, "auto"]
+    return [cold, size], notes
+
+
+def measure_peer(quick: bool) -> Measured:
+    """``kvswap bench peer`` where the Mooncake Transfer Engine can run."""
+    why = mooncake_unavailable("mooncake.engine")
+    if why is not None:
+        return Measured(None, [], [f"Not run: {why}."])
+    argv = (["--tp", "1", "--sizes", "256", "--mib", "4", "--rounds", "1",
+             "--latency-samples", "5"] if quick else [])
+    return scenario("peer", fixed(argv, argv))(quick)
 
 
 _SWEEP = "64,128,256,512,1024,2048,4096"
@@ -410,6 +468,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("layerwise", scenario("layerwise", fixed([], ["--layers", "4", "--blocks", "4",
                                                           "--repeat", "1"])), render_layerwise),
     Section("storage", scenario("storage", storage_plan), render_storage),
+    Section("peer", measure_peer, render_peer),
     Section("gpu", measure_gpu, render_gpu),
     Section("trace", scenario("trace", trace_plan), render_trace),
     Section("hostcache", scenario("hostcache", fixed([], ["--requests", "200", "--rounds", "1"])),

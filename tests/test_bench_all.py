@@ -147,8 +147,8 @@ def _never(quick: bool) -> bench_all.Measured:
     (lambda t: re.sub(r"<!-- generated: bench-data -->\n.*?<!-- end: bench-data -->\n", "", t,
                       flags=re.S),
      "no block for '<!-- generated: bench-data -->'"),
-    (lambda t: t + "\n<!-- generated: bench-peer -->\n<!-- end: bench-peer -->\n",
-     "block(s) bench-peer belong to no section"),
+    (lambda t: t + "\n<!-- generated: bench-nosuch -->\n<!-- end: bench-nosuch -->\n",
+     "block(s) bench-nosuch belong to no section"),
     (lambda t: t.replace("<!-- generated: bench-tasks -->\n", ""),
      "'<!-- end: bench-tasks -->' without '<!-- generated: bench-tasks -->' before it"),
 ])

@@ -33,7 +33,7 @@ from kvswap.client.signals import RankSlot
 from kvswap.client.ticket import Ticket, TicketRefused
 from kvswap.daemon.attachment import Attachment, AttachmentSlot
 from kvswap.daemon.exactly_once import ExactlyOnce
-from kvswap.daemon.jobs import Completion, Job, Origin
+from kvswap.daemon.jobs import Completion, Job
 from kvswap.daemon.peer import PeerRuntime, PoolView
 from kvswap.daemon.rank import RankContext
 from kvswap.daemon.scheduler import Task, TaskState
@@ -96,10 +96,8 @@ class PeerOps:
         """Check, journal and queue a ``peer_recv`` or ``peer_send``; a refusal changes
         nothing."""
         assert req is not None
-        self._rank.check_epoch(req.header)
-        self._rank.check_serving()
-        origin = Origin.of(req.header)
-        if origin.resent and self._exactly.answer_resent(job, origin):
+        origin = self._exactly.begin_admission(job, req.header)
+        if origin is None:
             return
         runtime = self._enabled()
         pool = self._pool(runtime)

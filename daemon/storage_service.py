@@ -24,7 +24,7 @@ from kvswap.client.protocol import (
 )
 from kvswap.client.signals import RankSlot
 from kvswap.daemon.exactly_once import ExactlyOnce
-from kvswap.daemon.jobs import Completion, Job, Origin
+from kvswap.daemon.jobs import Completion, Job
 from kvswap.daemon.journal import JOURNALED_OPS
 from kvswap.daemon.rank import RankContext
 from kvswap.daemon.scheduler import Task
@@ -90,10 +90,8 @@ class StorageService:
     def admit(self, job: Job, req: Request | None) -> None:
         assert req is not None
         rank = self._rank
-        rank.check_epoch(req.header)
-        rank.check_serving()
-        origin = Origin.of(req.header)
-        if req.op in JOURNALED_OPS and origin.resent and self._exactly.answer_resent(job, origin):
+        origin = self._exactly.begin_admission(job, req.header)
+        if origin is None:
             return
         if not rank.cfg.storage_url:
             raise KvswapError(f"rank {rank.index} has no storage tier (kvswapd --storage URL)",

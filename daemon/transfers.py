@@ -55,10 +55,8 @@ class Transfers:
     # ---------------------------------------------------------------- I/O thread
     def admit(self, job: Job, req: Request | None) -> None:
         assert req is not None
-        self._rank.check_epoch(req.header)
-        self._rank.check_serving()
-        origin = Origin.of(req.header)
-        if origin.resent and self._exactly.answer_resent(job, origin):
+        origin = self._exactly.begin_admission(job, req.header)
+        if origin is None:
             return
         dev, host = decode_transfer(req)
         self._submit(job, dev, host, req.header, origin)

@@ -96,6 +96,14 @@ class ExactlyOnce:
                                       "a daemon crash interrupted this prefetch after the ranks "
                                       "agreed on it; its host blocks hold unknown content: "
                                       "prefetch again", now)
+            elif d.op is Op.BACKUP:
+                # Its entry names depend on the model version it was sent under, which
+                # the journal does not hold: replaying it under the launch's version
+                # could store new weights' blocks under an old version's names.
+                done = Completion.now(job, ErrorCode.OUTCOME_UNKNOWN,
+                                      "a daemon crash interrupted this backup; it is not "
+                                      "replayed (its model version is not journaled): back "
+                                      "it up again (stored keys are skipped)", now)
             else:
                 try:
                     validate_transfer(d.op, d.device_ids, d.host_ids, num_device_blocks,

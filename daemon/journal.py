@@ -26,7 +26,8 @@ reply is sent.  Three facts follow:
    ADMITTED record, in admission order, before it reports READY.  Nothing new
    is admitted before the replay ends, so no task of any client can come in
    between.  (A prefetch cannot be replayed -- its count was agreed with the
-   other ranks -- so it ends OUTCOME_UNKNOWN; its host blocks are released.)
+   other ranks -- so it ends OUTCOME_UNKNOWN; its host blocks are released.
+   Nor is a backup: its model version is not journaled.)
 3. A re-sent task with no record was never admitted (or was rejected, which
    changed nothing): it is admitted now like a new one.  The exception is a
    record that was dropped to make room, which would look the same; the

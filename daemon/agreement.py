@@ -74,6 +74,12 @@ class Agreement:
         for sem in self._others:
             sem.release()
 
+    def abort(self, task_id: int, last_round: int = 0) -> None:
+        """This rank will not take part in task ``task_id`` (it failed before its first
+        round): post ABORTED for every round, so no peer waits for it until a timeout."""
+        for rnd in range(last_round + 1):
+            self._post(task_id, rnd, 0, AgreeState.ABORTED)
+
     def _read(self, rank: int, task_id: int, rnd: int) -> tuple[int, AgreeState] | None:
         table = self.seg.agree[rank]
         for idx in range(AGREE_SLOTS):

@@ -201,7 +201,11 @@ class StorageService:
 
         deadline = (None if opts.timeout is None
                     else job.t_recv + int(opts.timeout * 1e9))  # perf_counter_ns
-        verified = self._read_verified(att, parts, opts.policy, deadline)
+        try:
+            verified = self._read_verified(att, parts, opts.policy, deadline)
+        except BaseException:
+            rank.agreement.abort(task_id, last_round=1)  # the peers stop waiting for this rank
+            raise
         timeout = rank.cfg.storage_timeout_s
         agreed = rank.agreement.agree(task_id, 0, len(verified), timeout, cancelled,
                                       last_round=1)
@@ -218,30 +222,31 @@ class StorageService:
                        deadline: int | None) -> list[list[memoryview]]:
         """The payloads (one per part) of the leading blocks read and verified intact.
 
-        Without a deadline every block is read in one batch.  With one, blocks are
-        read in batches of 1, 2, 4 ... 64 (few round trips, yet an early block is
-        not held up by a late one), and a batch that ends past the deadline is
-        dropped with everything after it.  ``best_effort`` also ends at a store
-        error, keeping what it verified before."""
+        ``wait_complete`` reads every block in one batch.  The other policies read
+        batches of 1, 2, 4 ... 64 blocks (few round trips, yet an early block is
+        not held up by a late one); a batch that ends past the deadline is dropped
+        with everything after it, and ``best_effort`` also ends at a store error,
+        keeping the batches verified before."""
         backend = self._backend
         assert backend is not None
         n = len(parts[0][2])
         stages = [self._staging(j, n, part.payload_bytes) for j, (part, _, _) in enumerate(parts)]
         verified: list[list[memoryview]] = []
-        lo, size = 0, (n if deadline is None else 1)
+        lo, size = 0, (n if policy is PrefetchPolicy.WAIT_COMPLETE else 1)
         while lo < n:
             hi = min(n, lo + size)
             try:
-                chunk = [self._verify(part, fp, names[lo:hi],
-                                      backend.get(names[lo:hi], stage[lo:hi]))
-                         for (part, fp, names), stage in zip(parts, stages)]
+                raws = [backend.get(names[lo:hi], stage[lo:hi])
+                        for (_, _, names), stage in zip(parts, stages)]
             except StorageError as exc:
                 if policy is not PrefetchPolicy.BEST_EFFORT:
                     raise
                 log.warning("best-effort prefetch ends at block %d of %d: %s", lo, n, exc)
                 break
             if deadline is not None and time.perf_counter_ns() > deadline:
-                break
+                break  # read too late: not used, and not judged either
+            chunk = [self._verify(part, fp, names[lo:hi], raw)
+                     for (part, fp, names), raw in zip(parts, raws)]
             good = min(len(c) for c in chunk)
             verified.extend(list(row) for row in zip(*(c[:good] for c in chunk)))
             if good < hi - lo:

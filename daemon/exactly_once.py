@@ -99,11 +99,11 @@ class ExactlyOnce:
             elif d.op is Op.BACKUP:
                 # Its entry names depend on the model version it was sent under, which
                 # the journal does not hold: replaying it under the launch's version
-                # could store new weights' blocks under an old version's names.
+                # could store new weights' blocks under an old version's names.  (The
+                # journal keeps 66 characters of a message.)
                 done = Completion.now(job, ErrorCode.OUTCOME_UNKNOWN,
-                                      "a daemon crash interrupted this backup; it is not "
-                                      "replayed (its model version is not journaled): back "
-                                      "it up again (stored keys are skipped)", now)
+                                      "backup not replayed after a crash: its model version "
+                                      "is not kept", now)
             else:
                 try:
                     validate_transfer(d.op, d.device_ids, d.host_ids, num_device_blocks,

@@ -15,13 +15,15 @@ import pytest
 
 from kvswap.client import CacheTensor, CacheWorker, ErrorCode, TransferClient, TransferFailed
 from kvswap.client.block_keys import block_hashes, entry_name, model_fingerprint
-from kvswap.client.errors import InvalidTask
+from kvswap.client.errors import InvalidTask, RankRestarted
 from kvswap.client.host_cache import HostCache
 from kvswap.client.layout import TensorDesc, demo_layout, layout_hash
 from kvswap.client.signals import R, poll_until
 from kvswap.daemon.demo import RankView, pattern
 from kvswap.daemon.storage import open_backend
 from kvswap.daemon.storage.file import shard_of
+from kvswap.daemon.supervisor import SupervisorConfig
+from test_faults import Supervising
 
 TP = 2
 HOST = 32
@@ -245,6 +247,39 @@ def test_entries_of_an_old_model_version_are_never_matched(namespaces, tmp_path)
     finally:
         client.close()
         tags.close()
+
+
+def test_a_backup_a_crash_interrupted_is_not_replayed_under_another_version(
+        namespaces, tmp_path, monkeypatch):
+    """The journal does not hold a backup's model version, so a restarted daemon must
+    not replay it (under --model-version it would store v2's blocks under v1's names):
+    it ends OUTCOME_UNKNOWN, and backing up again skips what was stored."""
+    url = f"file://{tmp_path}/store"
+    monkeypatch.setenv("KVSWAP_CRASH_AT", "record.before:2")  # 1: the evict, 2: the backup
+    launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=HOST, storage_url=url,
+                                 model_version="v1",
+                                 supervision=SupervisorConfig(backoff_s=0.05, reset_after_s=0.2))
+    monkeypatch.delenv("KVSWAP_CRASH_AT")
+    client = TransferClient(launcher.names.namespace, 1, run_root=str(launcher.names.run_root),
+                            task_timeout=60)
+    try:
+        with Supervising(launcher) as sup:
+            client.wait_ready(30)
+            client.set_model_version("v2")
+            keys = _keys(3, salt=4)
+            client.evict([0, 1, 2], [0, 1, 2]).result()
+            with pytest.raises(RankRestarted) as ei:
+                client.backup([0, 1, 2], keys).result(60)
+            assert ei.value.failures[0].code == ErrorCode.OUTCOME_UNKNOWN
+            assert "its model version is not kept" in ei.value.failures[0].message
+            v2 = model_fingerprint(layout_hash(TENSORS), "default|tp=1|version=v2")
+            assert set(_stored(url)) == {entry_name(k, 0, v2) for k in keys}  # ran before the kill
+            again = client.backup([0, 1, 2], keys).result(60)
+            assert again.replies[0].fields == {"count": 0, "skipped": 3}  # stored under v2
+            assert not sup.reasons
+        assert launcher.supervisor.restarts == 1
+    finally:
+        client.close()
 
 
 # ------------------------------------------------------------------ prefetch policies

@@ -18,11 +18,13 @@ from kvswap.client.block_keys import block_hashes, entry_name, model_fingerprint
 from kvswap.client.errors import InvalidTask, RankRestarted
 from kvswap.client.host_cache import HostCache
 from kvswap.client.layout import TensorDesc, demo_layout, layout_hash
+from kvswap.client.protocol import PROTOCOL_VERSION, packb
 from kvswap.client.signals import R, poll_until
 from kvswap.daemon.demo import RankView, pattern
 from kvswap.daemon.storage import open_backend
 from kvswap.daemon.storage.file import shard_of
 from kvswap.daemon.supervisor import SupervisorConfig
+from test_daemon import RawPeer
 from test_faults import Supervising
 
 TP = 2
@@ -411,3 +413,26 @@ def test_host_cache_prefetch_passes_the_policy_through(namespaces, tmp_path):
         cache.close()
         client.close()
         tags.close()
+
+
+def test_the_daemon_refuses_bad_policy_fields_from_a_raw_peer(namespaces, tmp_path):
+    """A peer that skips the client's checks: each bad field is BAD_FIELD, nothing runs."""
+    launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=HOST,
+                                 storage_url=f"file://{tmp_path}/store")
+    peer = RawPeer(launcher.names.endpoint(0))
+    try:
+        keys = b"".join(_keys(2, salt=5))
+        ids = np.array([0, 1], "<i4").tobytes()
+        for bad, message in (({"policy": "eager"}, "policy must be one of"),
+                             ({"policy": "timeout"}, "needs timeout"),
+                             ({"policy": "best_effort", "timeout": -1.0}, "positive number"),
+                             ({"min": -1}, "min_blocks must be"),
+                             ({"mv": "v" * 201}, "model version must be")):
+            header = {"v": list(PROTOCOL_VERSION), "id": 5, "op": "prefetch", "ids": "<i4",
+                      "n": 2, **bad}
+            reply = peer.ask([packb(header), ids, keys])
+            assert not reply.ok and reply.code == ErrorCode.BAD_FIELD, (bad, reply)
+            assert message in reply.message, (bad, reply.message)
+        assert int(launcher.seg.ranks[0, R.INFLIGHT]) == 0
+    finally:
+        peer.close()

@@ -178,6 +178,15 @@ def test_replicated_must_be_a_bool(namespaces):
         w.close()
 
 
+def test_a_register_repeat_that_changes_replicated_names_the_field():
+    from kvswap.daemon.registration import Registration
+
+    desc = {"name": "kv0", "layer": 0, "dtype": "|u1", "shape": [4, 8], "location": {}}
+    reg = Registration([desc])
+    changed = {"backend": "host", "tensors": [{**desc, "replicated": True}]}
+    assert reg.difference("host", changed) == "tensor 'kv0' differs in replicated"
+
+
 # ------------------------------------------------------------------ invalidation
 
 LAYOUT = "layers=2,block_tokens=4,heads=2,head_dim=8,blocks=32"

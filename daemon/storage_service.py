@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -202,7 +202,7 @@ class StorageService:
         deadline = (None if opts.timeout is None
                     else job.t_recv + int(opts.timeout * 1e9))  # perf_counter_ns
         try:
-            verified = self._read_verified(att, parts, opts.policy, deadline)
+            verified = self._read_verified(parts, opts.policy, deadline, cancelled)
         except BaseException:
             rank.agreement.abort(task_id, last_round=1)  # the peers stop waiting for this rank
             raise
@@ -218,22 +218,23 @@ class StorageService:
                     att.swap.blocks[i][host] = np.frombuffer(payload, np.uint8, nbytes, off)
         return final
 
-    def _read_verified(self, att: "Attachment", parts: list[Part], policy: PrefetchPolicy,
-                       deadline: int | None) -> list[list[memoryview]]:
+    def _read_verified(self, parts: list[Part], policy: PrefetchPolicy, deadline: int | None,
+                       cancelled: Callable[[], bool]) -> list[list[memoryview]]:
         """The payloads (one per part) of the leading blocks read and verified intact.
 
         ``wait_complete`` reads every block in one batch.  The other policies read
         batches of 1, 2, 4 ... 64 blocks (few round trips, yet an early block is
         not held up by a late one); a batch that ends past the deadline is dropped
         with everything after it, and ``best_effort`` also ends at a store error,
-        keeping the batches verified before."""
+        keeping the batches verified before.  A cancel ends reading between batches
+        (the agreement then answers CANCELLED)."""
         backend = self._backend
         assert backend is not None
         n = len(parts[0][2])
         stages = [self._staging(j, n, part.payload_bytes) for j, (part, _, _) in enumerate(parts)]
         verified: list[list[memoryview]] = []
         lo, size = 0, (n if policy is PrefetchPolicy.WAIT_COMPLETE else 1)
-        while lo < n:
+        while lo < n and not cancelled():
             hi = min(n, lo + size)
             try:
                 raws = [backend.get(names[lo:hi], stage[lo:hi])

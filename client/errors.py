@@ -38,6 +38,8 @@ class ErrorCode(enum.IntEnum):
     LENGTH_MISMATCH = 203  # device and host id lists of different lengths
     BAD_ID_DTYPE = 204  # id frame dtype not int32/int64 little-endian, or size wrong
     BAD_LAYOUT = 205  # register: tensors inconsistent (dtype, shape, block counts)
+    TICKET_MISMATCH = 206  # peer transfer: the ticket does not pair (TP size, layout, count, rank)
+    TICKET_EXPIRED = 207  # peer transfer: the ticket's expiry has passed
 
     NOT_READY = 300  # caches not attached / swap space not ready
     SHUTTING_DOWN = 301
@@ -46,6 +48,7 @@ class ErrorCode(enum.IntEnum):
     PAUSED = 304  # transfers refused until resume
     CLEARED = 305  # caches released for a weight update; restore and re-register first
     JOURNAL_FULL = 306  # too many tasks admitted and not yet recorded; retry once some finish
+    PEER_DISABLED = 307  # peer transfer asked of a daemon launched without --peer-transfer
 
     TRANSFER_FAILED = 400  # copy raised on the daemon
     CANCELLED = 401  # cancelled before it started (nothing was copied)

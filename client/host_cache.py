@@ -70,7 +70,8 @@ import numpy as np
 from kvswap.client.block_keys import storage_key
 from kvswap.client.errors import ErrorCode, KvswapError, RankTimeout
 from kvswap.client.host_cache_arc import ArcIndex
-from kvswap.client.host_cache_index import BlockIndex, LruIndex
+from kvswap.client.host_cache_index import BlockIndex, LruIndex, show
+from kvswap.client.host_cache_persist import KEY_BYTES, PersistedIndex
 from kvswap.client.protocol import PrefetchOptions, as_block_ids
 from kvswap.client.signals import R
 
@@ -186,12 +187,17 @@ class HostCache:
     before anything changed.
     """
 
-    def __init__(self, num_blocks: int, policy: str = "lru", *, events: bool = True):
+    def __init__(self, num_blocks: int, policy: str = "lru", *, events: bool = True,
+                 persist: str | None = None, run_root: str | None = None):
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self._index = POLICIES[policy](num_blocks)
+        # persist=namespace: the index is mirrored in the namespace's shm and a successor
+        # engine starts with the blocks still good (host_cache_persist, engine restarts)
+        self._persist: PersistedIndex | None = None
+        self._recovered = 0
         self._record = events
         self._events: list[CacheEvent] = []
         self._done: collections.deque = collections.deque()  # appended by I/O threads
@@ -204,6 +210,13 @@ class HostCache:
         self._store_failures = 0
         self._store_refusals = 0  # prepare_store calls that found no room
         self._evictions = 0
+        if persist is not None:
+            self._persist = PersistedIndex(persist, num_blocks, run_root)
+            recovered = self._persist.recovered
+            self._index.adopt(recovered)
+            self._recovered = len(recovered)
+            if recovered and self._record:
+                self._events.append(CacheEvent([k for k, _ in recovered], False))
 
     @property
     def capacity(self) -> int:
@@ -257,11 +270,15 @@ class HostCache:
         None, with nothing changed, when they cannot all get a block."""
         if self._done:
             self._drain()
+        if self._persist is not None:
+            _check_persistable(hashes)
         planned = self._index.prepare_store(hashes)
         if planned is None:
             self._store_refusals += 1
             return None
         new, ids, evicted = planned
+        if self._persist is not None:
+            self._persist.unready(ids)  # before the engine can send the evict into them
         if evicted:
             self._evictions += len(evicted)
             if self._record:
@@ -282,6 +299,9 @@ class HostCache:
             self._store_failures += len(done)
         elif done:
             self._stores += len(done)
+            if self._persist is not None:
+                host_id = self._index.host_id
+                self._persist.ready(done, [host_id(h) for h in done])
             if self._record:
                 self._events.append(CacheEvent(done, False))
 
@@ -316,7 +336,8 @@ class HostCache:
                 "hit_ratio": self._hits / self._lookup_blocks if self._lookup_blocks else None,
                 "loads": self._loads, "stores": self._stores,
                 "store_failures": self._store_failures, "store_refusals": self._store_refusals,
-                "evictions": self._evictions, **ix.extra_stats()}
+                "evictions": self._evictions, "recovered": self._recovered,
+                **ix.extra_stats()}
 
     def clear(self) -> None:
         """Forget every block (a weight update made them stale); a removed event
@@ -330,6 +351,8 @@ class HostCache:
                              f"block(s) being loaded; complete them first (wired calls: "
                              f"wait for their futures, then poll())")
         ready = ix.clear()
+        if self._persist is not None:
+            self._persist.clear()
         if ready and self._record:
             self._events.append(CacheEvent(ready, True))
 
@@ -367,10 +390,15 @@ class HostCache:
         self._publisher.write(self)
 
     def close(self) -> None:
-        """Stop publishing (removes the statistics segment).  The index stays usable."""
+        """Stop publishing (removes the statistics segment) and unmap the persisted
+        index, which stays in the namespace for the next engine.  The index stays
+        usable, no longer mirrored."""
         if self._publisher is not None:
             self._publisher.close()
             self._publisher = None
+        if self._persist is not None:
+            self._persist.close()
+            self._persist = None
 
     def __enter__(self) -> "HostCache":
         return self
@@ -529,6 +557,15 @@ class HostCache:
 
         pf.add_done_callback(on_prefetch)
         return cf
+
+
+def _check_persistable(hashes: Sequence[Hashable]) -> None:
+    """A persisted index stores keys as bytes: only block_hashes()'s 32-byte hashes."""
+    for i, h in enumerate(hashes):
+        if type(h) is not bytes or len(h) != KEY_BYTES:
+            raise ValueError(f"prepare_store: hash #{i} ({show(h)}) is not {KEY_BYTES} bytes; a "
+                             f"HostCache with persist= keeps the 32-byte hashes block_hashes() "
+                             f"returns")
 
 
 def _check_pairs(client: "TransferClient", hashes: list, dev: np.ndarray) -> None:

@@ -192,6 +192,25 @@ class BlockIndex:
         self.pending -= len(done)
         return done
 
+    def adopt(self, entries: list[tuple[Hashable, int]]) -> None:
+        """Fill an empty index with ready blocks (hash, host id), oldest first: a
+        persisted index recovered by a restarted engine (``host_cache_persist``)."""
+        if self._blocks or not entries:
+            if self._blocks:
+                raise ValueError("adopt: the index is not empty")
+            return
+        hashes = [h for h, _ in entries]
+        ids = [i for _, i in entries]
+        taken = set(ids)
+        if len(taken) != len(ids) or len(set(hashes)) != len(hashes) \
+                or not all(0 <= i < self.capacity for i in ids):
+            raise ValueError("adopt: hashes and host ids must be unique, ids in range")
+        self._free = [i for i in range(self.capacity - 1, -1, -1) if i not in taken]
+        self._plan_store(hashes)
+        self._insert(hashes, ids)
+        self.pending += len(hashes)
+        self.complete_store(hashes, True)
+
     def clear(self) -> list:
         """Forget every block; return the ready ones (they had a stored event)."""
         ready = self.ready_hashes()

@@ -109,6 +109,11 @@ class Names:
         return f"/{self.prefix}hostcache"
 
     @property
+    def host_cache_index(self) -> str:
+        """A HostCache's persisted index (host_cache_persist), kept across engine restarts."""
+        return f"/{self.prefix}hcindex"
+
+    @property
     def run_dir(self) -> Path:
         return self.run_root / self.namespace
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, ProtocolError
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 6)
+PROTOCOL_VERSION: tuple[int, int] = (1, 7)
 
 # Request and task ids are non-negative int64: they key shm tables (layer progress,
 # agreement, the completion journal) that hold them as 64-bit integers.
@@ -89,6 +89,9 @@ class Op(str, enum.Enum):
     PING = "ping"
     STATS = "stats"
     SHUTDOWN = "shutdown"
+    PEER_INFO = "peer_info"
+    PEER_RECV = "peer_recv"
+    PEER_SEND = "peer_send"
 
 
 class HandlerKind(enum.Enum):
@@ -106,6 +109,7 @@ class Lane(enum.Enum):
     NONE = "none"  # not scheduled (INLINE and SERIAL ops)
     TRANSFER = "transfer"  # the copy workers
     STORAGE = "storage"  # the storage thread
+    PEER = "peer"  # the peer threads: node-to-node pushes and held receives (daemon/peer.py)
 
 
 FieldType = Union[type, tuple[type, ...]]  # a field's type, or the types it may have
@@ -133,12 +137,18 @@ class OpSpec:
     lane: Lane = Lane.NONE  # TRANSFER ops: the scheduler's worker pool that runs it
     urgent: bool = False  # a request waits for it: its lane's workers take it before the others
     timed: bool = False  # latency histograms (queued, exec) in the signal segment
+    # The task stays RUNNING (holding its blocks in the hazard table) after its worker
+    # returns, until the daemon finishes it: a peer receive, whose bytes are written by
+    # another node's daemon (daemon/peer.py).
+    held: bool = False
 
     def __post_init__(self) -> None:
         if (self.kind is HandlerKind.TRANSFER) != (self.lane is not Lane.NONE):
             raise ValueError(f"{self.op.value}: exactly the TRANSFER ops have a lane")
         if (self.urgent or self.timed) and self.lane is Lane.NONE:
             raise ValueError(f"{self.op.value}: only a scheduled op can be urgent or timed")
+        if self.held and self.lane is not Lane.PEER:
+            raise ValueError(f"{self.op.value}: only a peer-lane op can be held")
 
 
 # Fields any request may carry (docs/protocol.md section 3): the sending client's id, the
@@ -152,6 +162,10 @@ _TRANSFER_OPTIONAL = {"priority": int, "layerwise": bool, "ep": list}
 _COPY_REPLY = {"bytes": int, "merged": int}
 # prefetch: its policy (PrefetchPolicy), deadline in seconds, and the fewest blocks worth loading
 _PREFETCH_OPTIONAL: dict[str, FieldType] = {"policy": str, "timeout": float, "min": int}
+
+# peer_info: what a ticket needs about this rank (client/ticket.py RankEndpoint).
+_PEER_INFO_REPLY = {"te": str, "notify": str, "bases": list, "block_bytes": list,
+                    "layout": str, "epoch": int}
 
 OPS: dict[Op, OpSpec] = {
     spec.op: spec
@@ -181,6 +195,11 @@ OPS: dict[Op, OpSpec] = {
         OpSpec(Op.PING, {}, 0, HandlerKind.INLINE, {"state": str, "epoch": int, "pid": int}),
         OpSpec(Op.STATS, {}, 0, HandlerKind.INLINE, {"counters": dict}),
         OpSpec(Op.SHUTDOWN, {}, 0, HandlerKind.INLINE, {}),
+        OpSpec(Op.PEER_INFO, {}, 0, HandlerKind.INLINE, _PEER_INFO_REPLY),
+        OpSpec(Op.PEER_RECV, {}, 1, HandlerKind.TRANSFER, {"bytes": int}, {"ep": list},
+               lane=Lane.PEER, held=True),
+        OpSpec(Op.PEER_SEND, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, {"bytes": int},
+               {"ep": list, "priority": int}, lane=Lane.PEER),
     )
 }
 
@@ -269,9 +288,10 @@ def decode_request(frames: Sequence[Any], max_header_bytes: int = MAX_HEADER_BYT
     spec = OPS[op]
     check_fields(header, spec, req_id)
     for name, t in COMMON_OPTIONAL.items():
-        value = header.get(name)
-        if value is not None and (not _is_type(value, t)
-                                  or (t is int and not 0 <= value < ID_LIMIT)):
+        if name not in header:
+            continue
+        value = header[name]  # present means typed: a nil cid/cs would reach the journal
+        if not _is_type(value, t) or (t is int and not 0 <= value < ID_LIMIT):
             raise RequestError(ErrorCode.BAD_FIELD,
                                f"header field {name!r} must be {_type_name(t)}"
                                f"{' in [0, 2**63)' if t is int else ''}, got {value!r}", req_id)
@@ -283,6 +303,16 @@ def decode_request(frames: Sequence[Any], max_header_bytes: int = MAX_HEADER_BYT
             req_id,
         )
     return Request(req_id, op, header, list(frames[1:]))
+
+
+def peek_request_id(header_frame: Any) -> int | None:
+    """The id a refusal of this request carries, from its header frame alone (None when
+    the header has no valid id): how a daemon answers a message it will not read in
+    full, one with more than :data:`MAX_FRAMES` frames, under its id."""
+    try:
+        return decode_request([header_frame]).id
+    except RequestError as exc:
+        return exc.req_id
 
 
 def check_fields(fields: Mapping[str, Any], spec: OpSpec, req_id: int | None) -> None:

@@ -892,6 +892,31 @@ class TransferClient:
         self._submit([ev_env, ld_env])
         return ev_fut, ld_fut
 
+    # ------------------------------------------------------------------ peer transfer
+    def receive_into(self, host_blocks: Any, *, ttl_s: float | None = None,
+                     secret: bytes | None = None) -> tuple[bytes, TransferFuture]:
+        """Decode side of a node-to-node transfer (docs/pd.md): hold ``host_blocks`` on
+        every rank for a sender and return ``(ticket, received)``.  Hand the ticket
+        (msgpack bytes) to the prefill side's :meth:`send_to`; ``received`` completes
+        once every rank's blocks have landed (then load them as usual), or fails:
+        TICKET_EXPIRED after ``ttl_s`` (default: the task timeout) without a sender,
+        CANCELLED by ``received.cancel()`` before a sender began.  The ticket is
+        signed with this client's secret (a tcp client) or ``secret``."""
+        from kvswap.client.peer_client import receive_into
+
+        return receive_into(self, host_blocks, ttl_s, secret)
+
+    def send_to(self, ticket: bytes, host_blocks: Any, *, secret: bytes | None = None,
+                priority: int = 0) -> TransferFuture:
+        """Prefill side: push ``host_blocks`` (already evicted; the push runs after those
+        evicts on every rank) into the blocks ``ticket`` names, rank r to rank r.  A
+        ticket that does not pair (TP size, layout, count, expired, and with the
+        receiving namespace's ``secret`` its HMAC) raises :class:`TicketRefused` here,
+        before anything is sent."""
+        from kvswap.client.peer_client import send_to
+
+        return send_to(self, ticket, host_blocks, secret, priority)
+
     def ping(self) -> TransferFuture:
         return self._control(Op.PING)
 

@@ -65,6 +65,13 @@ class Agreement:
             sem.release()
         return idx
 
+    def abort(self, task_id: int, last_round: int = 0) -> None:
+        """Give up a task before posting any round (this rank cannot take part, e.g.
+        its store failed): every round is marked ABORTED, so the peers stop waiting
+        at once instead of at their timeout."""
+        idx = self._post(task_id, 0, 0, AgreeState.ABORTED)
+        self._give_up(idx, task_id, 0, last_round)
+
     def _give_up(self, idx: int, task_id: int, rnd: int, last_round: int) -> None:
         """Mark this round ABORTED and post ABORTED for every later round, so no peer
         waits for a round this rank will never enter."""
@@ -73,12 +80,6 @@ class Agreement:
             self._post(task_id, later, 0, AgreeState.ABORTED)
         for sem in self._others:
             sem.release()
-
-    def abort(self, task_id: int, last_round: int = 0) -> None:
-        """This rank will not take part in task ``task_id`` (it failed before its first
-        round): post ABORTED for every round, so no peer waits for it until a timeout."""
-        for rnd in range(last_round + 1):
-            self._post(task_id, rnd, 0, AgreeState.ABORTED)
 
     def _read(self, rank: int, task_id: int, rnd: int) -> tuple[int, AgreeState] | None:
         table = self.seg.agree[rank]

@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, Sequence
 
 import msgpack
 import numpy as np
@@ -33,7 +34,7 @@ from kvswap.client.shm_region import ShmRegion
 from kvswap.client.signals import R, RankState, poll_until
 from kvswap.daemon.backend import Backend
 from kvswap.daemon.io_loop import IoLoop
-from kvswap.daemon.jobs import Completion, Job
+from kvswap.daemon.jobs import PEER_WORKERS, Completion, Job
 from kvswap.daemon.rank import RankContext
 from kvswap.daemon.registration import Registration, layout_difference
 from kvswap.daemon.scheduler import RunBatch, Scheduler
@@ -42,6 +43,14 @@ from kvswap.daemon.storage_service import StorageService
 from kvswap.daemon.swap_space import HostSwapSpace
 
 log = logging.getLogger("kvswap.daemon")
+
+
+class PoolUser(Protocol):
+    """Something that must know the host pool attached (control thread)."""
+
+    def attach(self, swap: HostSwapSpace) -> None: ...
+
+    def detach(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -72,7 +81,10 @@ class Registrar:
     """Register, attach and detach; re-attach after a restart."""
 
     def __init__(self, rank: RankContext, backend: Backend, io: IoLoop, slot: AttachmentSlot,
-                 storage: StorageService, control: queue.SimpleQueue, run_batch: RunBatch):
+                 storage: StorageService, control: queue.SimpleQueue, run_batch: RunBatch,
+                 pool_users: Sequence[PoolUser] = ()):
+        """``pool_users`` learn of each pool attached and detached (the peer ops register
+        it with their Transfer Engine)."""
         self._rank = rank
         self._backend = backend
         self._io = io
@@ -80,6 +92,7 @@ class Registrar:
         self._storage = storage
         self._control = control
         self._run_batch = run_batch
+        self._pool_users = tuple(pool_users)
         self._registration: Registration | None = None  # I/O and control, under _lock
         self._lock = threading.Lock()
         self._kept_swap: HostSwapSpace | None = None  # control thread: kept by clear(free_host=False)
@@ -234,6 +247,7 @@ class Registrar:
         if cfg.storage_url:
             self._storage.open()
         if self._kept_swap is not None:  # kept across clear(free_host=False): re-adopted below
+            self._storage.use_pool([])  # before the pool is unmapped
             self._kept_swap.close(unlink=False)
             self._kept_swap = None
         swap = HostSwapSpace.open(rank.names, rank.index, tensors, cfg.pool_blocks,
@@ -247,9 +261,13 @@ class Registrar:
                     f"largest frame the socket accepts; relaunch with a larger "
                     f"--max-device-blocks or a smaller --host-size", ErrorCode.BAD_LAYOUT)
             self._backend.attach(tensors, swap)
+            for user in self._pool_users:
+                user.attach(swap)
             if job.route is not None:
                 self._save(job.header)
         except BaseException:
+            for user in self._pool_users:
+                user.detach()
             self._backend.detach()
             sig[R.SWAP_BYTES_TOTAL] = 0
             sig[R.SWAP_BYTES_PINNED] = 0
@@ -264,13 +282,15 @@ class Registrar:
         # can give the same per-rank layout while rank r holds other heads.
         entries = (EntryLayout.of(tensors, cfg.model_id, cfg.tp_size, rank.index)
                    if cfg.storage_url else None)
+        self._storage.use_pool(swap.blocks)  # backups read the pool in place
         num_device_blocks = tensors[0].num_blocks
         att = Attachment(
             swap=swap,
             scheduler=Scheduler(num_device_blocks, swap.num_host_blocks, self._run_batch,
                                 workers=cfg.workers, merge=cfg.merge,
                                 max_merge_blocks=cfg.max_merge_blocks,
-                                storage_workers=1 if cfg.storage_url else 0),
+                                storage_workers=1 if cfg.storage_url else 0,
+                                peer_workers=PEER_WORKERS if cfg.peer_transfer else 0),
             num_device_blocks=num_device_blocks,
             num_host_blocks=swap.num_host_blocks,
             block_bytes=sum(t.bytes_per_block for t in tensors),
@@ -297,12 +317,15 @@ class Registrar:
         pool if asked) and the register file.  Caller has drained the tasks."""
         att, self._slot.current = self._slot.current, None
         assert att is not None
+        for user in self._pool_users:
+            user.detach()
         att.scheduler.stop()
         att.scheduler.join(self._rank.cfg.drain_timeout_s)
         self._backend.detach()
         sig = self._rank.sig
         sig[R.CACHE_READY] = 0
         if free_host:
+            self._storage.use_pool([])  # before the pool is unmapped
             att.swap.close(unlink=True)
             sig[R.SWAP_READY] = 0
             sig[R.SWAP_BYTES_TOTAL] = 0
@@ -325,6 +348,7 @@ class Registrar:
         att = self._slot.current
         swap = att.swap if att is not None else self._kept_swap
         if swap is not None:
+            self._storage.use_pool([])  # before the pool is unmapped
             swap.close(unlink=True)
         for region in self._demo_regions.values():
             region.unlink()
@@ -359,8 +383,8 @@ class Registrar:
             log.info("restart (epoch %d): re-attaching the caches registered before",
                      self._rank.epoch)
         except (KvswapError, ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
-            log.warning("restart: cannot re-attach from %s (%s); waiting for the worker to "
-                        "register again", self._path, exc)
+            log.warning("restart: cannot re-attach from %s (%.200r); waiting for the worker "
+                        "to register again", self._path, str(exc))
 
     def create_demo_caches(self, rejoin: bool) -> None:
         """--demo-caches: simulated device tensors owned by this daemon, registered

@@ -45,7 +45,7 @@ from kvswap.client.layer_progress import LayerProgress
 from kvswap.client.layout import demo_layout
 from kvswap.client.signals import R, poll_until
 from kvswap.client.transfer_client import TransferClient, TransferSpec
-from kvswap.daemon import bench_trace
+from kvswap.daemon import bench_peer, bench_trace
 from kvswap.daemon.bench_refs import (
     REPLY_TIMEOUT_S,
     BaselineRef,
@@ -629,6 +629,138 @@ def _redis_reference(payloads: list[bytes], url: str, salt: int) -> tuple[float,
     return t1 - t0, t2 - t1
 
 
+class _MooncakeRef:
+    """``--mooncake``: the store for the daemons and the raw reference client.
+
+    With ``auto``: a throw-away ``mooncake_master`` and, in this process, the only
+    segment (a client that mounts ``segment_bytes``), so the daemon's, the
+    backend's and the reference's objects all cross the transfer engine to the
+    same memory.  The reference client mounts nothing and moves the same bytes
+    with raw ``batch_put_from`` / ``batch_get_into`` from one registered buffer."""
+
+    def __init__(self, spec: str, segment_bytes: int) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        from kvswap.daemon.storage.mooncake import MooncakeSettings
+        from kvswap.daemon.storage.mooncake_master import MooncakeMaster, find_master
+
+        self.master: MooncakeMaster | None = None
+        self.holder: MooncakeDistributedStore | None = None
+        if spec == "auto":
+            binary = find_master()
+            if binary is None:
+                raise BenchError("--mooncake auto needs mooncake_master: pip install "
+                                 "'kvswap[mooncake]'")
+            self.master = MooncakeMaster(binary)
+            self.master.start()
+            self.url = self.master.url(segment="0", timeout_s=30)
+        else:
+            self.url = spec
+        settings = MooncakeSettings.parse(self.url)
+        try:
+            if self.master is not None:
+                self.holder = self._client(settings, segment_bytes)
+            self.ref = self._client(settings, 0)
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _client(settings, segment: int):
+        from mooncake.store import MooncakeDistributedStore
+
+        client = MooncakeDistributedStore()
+        rc = client.setup(settings.local_hostname or "127.0.0.1", settings.metadata, segment,
+                          settings.buffer, settings.protocol, settings.device, settings.master)
+        if rc != 0:
+            raise BenchError(f"mooncake store client setup failed ({rc}) for {settings.master}")
+        return client
+
+    def raw(self, buf: np.ndarray, out: np.ndarray, salt: int) -> tuple[float, float]:
+        """Raw batch_put_from / batch_get_into of ``buf``'s rows (both buffers registered)."""
+        n, size = buf.shape
+        names = [f"kvswap-bench-ref.{salt}.{i}" for i in range(n)]
+        t0 = time.perf_counter()
+        put = self.ref.batch_put_from(names, [buf.ctypes.data + i * size for i in range(n)],
+                                      [size] * n)
+        t1 = time.perf_counter()
+        got = self.ref.batch_get_into(names, [out.ctypes.data + i * size for i in range(n)],
+                                      [size] * n)
+        t2 = time.perf_counter()
+        self.ref.batch_remove(names, True)
+        if any(put) or any(g != size for g in got):
+            raise BenchError(f"raw mooncake reference failed: put {set(put)}, get {set(got)}")
+        return t1 - t0, t2 - t1
+
+    def close(self) -> None:
+        for client in (getattr(self, "ref", None), self.holder):
+            if client is not None:
+                client.close()
+        if self.master is not None:
+            self.master.close()
+
+
+def _mooncake_backend_row(store: _MooncakeRef, payloads: np.ndarray, repeat: int) -> dict:
+    """The backend alone (no daemon): put / get of packed entries from a registered pool
+    into registered staging, against the raw calls of the same bytes."""
+    from kvswap.daemon.storage import HEADER_BYTES, pack_entry
+    from kvswap.daemon.storage.mooncake import MooncakeBackend
+
+    n, block_bytes = payloads.shape
+    backend = MooncakeBackend.from_url(store.url)
+    stage = np.zeros((n, HEADER_BYTES + block_bytes), np.uint8)
+    out = np.zeros_like(payloads)
+    backend.register_buffers("host", [payloads])
+    backend.register_buffers("staging", [stage])
+    for buf in (payloads, out):
+        store.ref.register_buffer(buf.ctypes.data, buf.nbytes)
+    samples: dict[str, list[float]] = {k: [] for k in ("put", "get", "ref_w", "ref_r")}
+    fp = bytes(16)
+    try:
+        for rnd in range(repeat + 1):
+            names = [f"kvswap.bench.r0.{rnd}.{i}" for i in range(n)]
+            t0 = time.perf_counter()
+            backend.put([(name, pack_entry(fp, [payloads[i]])) for i, name in enumerate(names)])
+            t1 = time.perf_counter()
+            got = backend.get(names, [memoryview(row) for row in stage])
+            t2 = time.perf_counter()
+            if any(g is None or len(g) != HEADER_BYTES + block_bytes for g in got):
+                raise BenchError("mooncake backend: an entry did not come back whole")
+            backend.delete(names)
+            ref = store.raw(payloads, out, 10**6 + rnd)
+            if rnd:
+                samples["put"].append(t1 - t0)
+                samples["get"].append(t2 - t1)
+                samples["ref_w"].append(ref[0])
+                samples["ref_r"].append(ref[1])
+        bounced = backend.bounced_bytes // (repeat + 1)
+    finally:
+        backend.close()
+        for buf in (payloads, out):
+            store.ref.unregister_buffer(buf.ctypes.data)
+    return _storage_row("mooncake-backend", False, n, block_bytes, samples["put"],
+                        samples["get"], samples["ref_w"], samples["ref_r"],
+                        copied_per_entry=bounced // n)
+
+
+def _storage_row(kind: str, cold: bool, n: int, block_bytes: int, backup: list[float],
+                 prefetch: list[float], ref_w: list[float], ref_r: list[float],
+                 **extra: Any) -> dict:
+    total = n * block_bytes
+    med = {k: statistics.median(v) for k, v in (("backup", backup), ("prefetch", prefetch),
+                                                 ("ref_w", ref_w), ("ref_r", ref_r))}
+    return {
+        "backend": kind, "cold": cold, "blocks": n, "block_bytes": block_bytes,
+        "backup_gbps": round(total / med["backup"] / 1e9, 3),
+        "reference_write_gbps": round(total / med["ref_w"] / 1e9, 3),
+        "backup_ratio": round(med["ref_w"] / med["backup"], 2),
+        "prefetch_gbps": round(total / med["prefetch"] / 1e9, 3),
+        "reference_read_gbps": round(total / med["ref_r"] / 1e9, 3),
+        "prefetch_ratio": round(med["ref_r"] / med["prefetch"], 2),
+        **extra,
+    }
+
+
 def bench_storage(args: argparse.Namespace) -> dict:
     """Backup and prefetch GB/s through kvswap vs the same bytes through the bare store."""
     n = args.blocks
@@ -640,12 +772,23 @@ def bench_storage(args: argparse.Namespace) -> dict:
     if args.redis:
         targets.append(("redis", redis_server.url if redis_server else args.redis))
     rng = np.random.default_rng(0)
-    payloads = [rng.bytes(block_bytes) for _ in range(n)]
+    payload_rows = rng.integers(0, 256, (n, block_bytes), dtype=np.uint8)
+    payloads = [row.tobytes() for row in payload_rows]
+    mooncake = None
     rows = []
     try:
+        if args.mooncake:
+            # every round's entries stay (daemon) or are deleted (backend, reference)
+            room = (args.repeat + 4) * n * (block_bytes + 4096) + (64 << 20)
+            mooncake = _MooncakeRef(args.mooncake, room)
+            targets.append(("mooncake", mooncake.url))
         for kind, url in targets:
             samples: dict[str, list[float]] = {k: [] for k in ("backup", "prefetch", "ref_w",
                                                              "ref_r")}
+            out = np.zeros_like(payload_rows)
+            if mooncake is not None and kind == "mooncake":
+                for buf in (payload_rows, out):
+                    mooncake.ref.register_buffer(buf.ctypes.data, buf.nbytes)
             with _Namespace(1, STORAGE_LAYOUT, n, storage_url=url) as client:
                 client.evict(list(range(min(n, 32))), list(range(min(n, 32)))).result(60)
                 for rnd in range(args.repeat + 1):
@@ -661,28 +804,31 @@ def bench_storage(args: argparse.Namespace) -> dict:
                     if got.count != n:
                         raise KvswapError(f"prefetch loaded {got.count} of {n} blocks",
                                           ErrorCode.STORAGE_ERROR)
-                    ref = (_file_reference(payloads, store_dir, args.cold) if kind == "file"
-                           else _redis_reference(payloads, url, rnd))
+                    if kind == "file":
+                        ref = _file_reference(payloads, store_dir, args.cold)
+                    elif kind == "redis":
+                        ref = _redis_reference(payloads, url, rnd)
+                    else:
+                        assert mooncake is not None
+                        ref = mooncake.raw(payload_rows, out, rnd)
                     if rnd:  # the first round warms caches and connections
                         samples["backup"].append(t1 - t0)
                         samples["prefetch"].append(t2 - t1)
                         samples["ref_w"].append(ref[0])
                         samples["ref_r"].append(ref[1])
-            total = n * block_bytes
-            med = {k: statistics.median(v) for k, v in samples.items()}
-            rows.append({
-                "backend": kind, "cold": bool(args.cold and kind == "file"), "blocks": n,
-                "block_bytes": block_bytes,
-                "backup_gbps": round(total / med["backup"] / 1e9, 3),
-                "reference_write_gbps": round(total / med["ref_w"] / 1e9, 3),
-                "backup_ratio": round(med["ref_w"] / med["backup"], 2),
-                "prefetch_gbps": round(total / med["prefetch"] / 1e9, 3),
-                "reference_read_gbps": round(total / med["ref_r"] / 1e9, 3),
-                "prefetch_ratio": round(med["ref_r"] / med["prefetch"], 2),
-            })
+            if mooncake is not None and kind == "mooncake":
+                for buf in (payload_rows, out):
+                    mooncake.ref.unregister_buffer(buf.ctypes.data)
+            rows.append(_storage_row(kind, bool(args.cold and kind == "file"), n, block_bytes,
+                                     samples["backup"], samples["prefetch"], samples["ref_w"],
+                                     samples["ref_r"]))
+        if mooncake is not None:
+            rows.append(_mooncake_backend_row(mooncake, payload_rows, args.repeat))
     finally:
         if redis_server is not None:
             redis_server.close()
+        if mooncake is not None:
+            mooncake.close()
         shutil.rmtree(store_dir, ignore_errors=True)
     return {"storage": rows, "replication": _replication(args)}
 
@@ -736,6 +882,11 @@ def _args_storage(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", default=None, metavar="URL|auto",
                    help="also measure Redis at URL, or 'auto' to start a throw-away "
                         "redis-server (default: file store only)")
+    p.add_argument("--mooncake", default=None, metavar="URL|auto",
+                   help="also measure Mooncake Store at a mooncake:// URL, or 'auto' to start "
+                        "a throw-away mooncake_master (needs kvswap[mooncake]): through the "
+                        "daemon and the backend alone, against raw batch_put_from / "
+                        "batch_get_into of the same bytes")
 
 
 def _args_tasks(p: argparse.ArgumentParser) -> None:
@@ -786,8 +937,9 @@ def _args_data(p: argparse.ArgumentParser) -> None:
 
 SCENARIOS["tasks"] = (_args_tasks, bench_tasks, "tasks/s of small tasks: merging, batching")
 SCENARIOS["storage"] = (_args_storage, bench_storage,
-                        "backup / prefetch GB/s vs plain file I/O and raw Redis SET/GET; "
-                        "bytes stored per block of an MLA cache at TP=2, replicated or not")
+                        "backup / prefetch GB/s vs plain file I/O, raw Redis SET/GET and raw "
+                        "Mooncake batch_put_from/batch_get_into; bytes stored per block of an "
+                        "MLA cache at TP=2, replicated or not")
 SCENARIOS["layerwise"] = (_args_layerwise, bench_layerwise,
                           "time to the first layer vs the whole layer-wise load")
 SCENARIOS["control"] = (_args_control, bench_control,
@@ -800,6 +952,9 @@ SCENARIOS["trace"] = (bench_trace.add_trace_args, bench_trace.bench_trace,
                       "tiers, with daemons and as bookkeeping only")
 SCENARIOS["hostcache"] = (bench_trace.add_hostcache_args, bench_trace.bench_hostcache,
                           "ns per block of HostCache's bookkeeping vs a plain OrderedDict LRU")
+SCENARIOS["peer"] = (bench_peer.add_args, bench_peer.bench_peer,
+                     "node-to-node send_to / receive_into GB/s and one-block latency vs raw "
+                     "Transfer Engine writes (needs the [mooncake] extra)")
 PLOTS["trace"] = bench_trace.plot_trace
 PLOTS["hostcache"] = bench_trace.plot_hostcache
 

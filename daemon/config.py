@@ -236,6 +236,20 @@ class DaemonOptions(NamespaceOptions):
         32, flag="--journal-mib", parse=int, check=at_least(1),
         help="completion journal: MiB per rank for the block ids of tasks not yet finished "
              "(a task whose ids do not fit is refused with JOURNAL_FULL)")
+    peer_transfer: str | None = option(
+        None, flag="--peer-transfer", choices=("tcp", "rdma"), default_text="off",
+        help="start one Mooncake Transfer Engine per rank, registering its host pool, so "
+             "that TransferClient.receive_into / send_to move host blocks between nodes "
+             "(prefill -> decode, docs/pd.md); needs the [mooncake] extra")
+    peer_host: str | None = option(
+        None, flag="--peer-host", metavar="HOST",
+        default_text="the --tcp (kvswapd: --listen-tcp) host, else 127.0.0.1",
+        help="address other nodes reach this node's Transfer Engines and completion "
+             "listeners at (written into tickets)")
+    peer_timeout_s: float = option(
+        30.0, flag="--peer-timeout", parse=float, check=positive,
+        help="seconds a peer push waits for each answer of the receiving daemon, and a "
+             "receive waits for a sender that began to say it is done")
     log_level: str = option(
         "INFO", flag="--log-level", parse=str.upper, choices=LOG_LEVELS,
         help="daemon log level")
@@ -283,6 +297,16 @@ class DaemonConfig(DaemonOptions):
         default_text="none: ipc:// only",
         help="also accept requests on this address; every message on it must be HMAC-SHA256 "
              "signed with --secret-file (kvswap launch takes it from --tcp)")
+
+    @property
+    def peer_address(self) -> str:
+        """The host written into tickets: --peer-host, else the --listen-tcp host, else
+        127.0.0.1."""
+        if self.peer_host:
+            return self.peer_host
+        if self.listen_tcp:
+            return self.listen_tcp[len("tcp://"):].rsplit(":", 1)[0]
+        return "127.0.0.1"
 
 
 @dataclass(kw_only=True)

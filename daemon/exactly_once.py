@@ -21,7 +21,7 @@ from kvswap.client.protocol import Op, validate_transfer
 from kvswap.daemon import crashpoints
 from kvswap.daemon.io_loop import IoLoop
 from kvswap.daemon.jobs import Completion, Job, Origin
-from kvswap.daemon.journal import Journal
+from kvswap.daemon.journal import UNREPLAYABLE_OPS, Journal
 from kvswap.daemon.rank import RankContext
 from kvswap.daemon.scheduler import Task
 
@@ -91,11 +91,11 @@ class ExactlyOnce:
             job = Job(None, d.task_id, d.op, time.perf_counter_ns(), keys=d.keys)
             job.jseq = d.seq
             now = time.perf_counter_ns()
-            if d.op is Op.PREFETCH:
+            if d.op in UNREPLAYABLE_OPS:
                 done = Completion.now(job, ErrorCode.OUTCOME_UNKNOWN,
-                                      "a daemon crash interrupted this prefetch after the ranks "
-                                      "agreed on it; its host blocks hold unknown content: "
-                                      "prefetch again", now)
+                                      f"a daemon crash interrupted this {d.op.value}, which other "
+                                      f"ranks or nodes took part in; its host blocks hold "
+                                      f"unknown content: run it again", now)
             elif d.op is Op.BACKUP:
                 # Its entry names depend on the model version it was sent under, which
                 # the journal does not hold: replaying it under the launch's version
@@ -116,8 +116,8 @@ class ExactlyOnce:
                                 ctx=job)
                     (done,) = execute([task])
             self.record(done)
-            log.warning("replayed %s %d, interrupted by a crash: [%d] %s", d.op.value, d.task_id,
-                        done.code, done.message or "OK")
+            log.warning("replayed %s %d, interrupted by a crash: [%d] %.200r", d.op.value,
+                        d.task_id, done.code, done.message or "OK")
 
     def abandon_in_doubt(self) -> None:
         """A register of new tensors: tasks a crash interrupted cannot be replayed onto

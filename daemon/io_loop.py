@@ -3,8 +3,9 @@
 It reads each request (bounded: :meth:`IoLoop._recv`), verifies and decodes it,
 routes it through the handler table built from the op table, sends every reply,
 and counts finished tasks in the signal segment (it is their single writer).
-Other threads hand their completions over with :meth:`IoLoop.complete`: a deque
-plus a wake-up on an inproc PAIR the poller watches.  Stop signals arrive as
+Other threads hand their completions over with :meth:`IoLoop.complete`
+(:class:`CompletionQueue`: a deque plus a wake-up on an inproc PAIR the poller
+watches, which never blocks).  Stop signals arrive as
 bytes on a socketpair the poller also watches, so the thread wakes at once
 without a timer.
 """
@@ -33,6 +34,7 @@ from kvswap.client.protocol import (
     decode_request,
     encode_reply,
     max_frame_bytes,
+    peek_request_id,
 )
 from kvswap.client.signals import HIST_OPS, R
 from kvswap.daemon import crashpoints
@@ -46,6 +48,58 @@ STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 _HIST_INDEX = {Op(name): i for i, name in enumerate(HIST_OPS)}
 
 
+class CompletionQueue:
+    """Completions on their way to the I/O thread: a deque, plus a wake-up byte on an
+    inproc PAIR that the I/O thread's poller watches.
+
+    :meth:`put` never blocks, whichever thread calls it, the I/O thread included
+    (cancel, shutdown).  At most one wake-up is pending between two :meth:`take`
+    calls (the ``_wake_pending`` flag), so the PAIR's queue never fills; a blocking
+    send on a full PAIR while holding the lock, by the very thread that would
+    drain it, was a deadlock."""
+
+    def __init__(self, ctx: zmq.Context):
+        self._items: collections.deque[Completion] = collections.deque()  # any thread
+        self._lock = threading.Lock()  # guards _wake_pending and sends on _tx
+        self._wake_pending = False  # under _lock: a wake-up byte is sent and not yet taken
+        addr = f"inproc://kvswap-done-{id(self)}"
+        self.rx = ctx.socket(zmq.PAIR)  # I/O thread: poll it, then call take()
+        self.rx.bind(addr)
+        self._tx = ctx.socket(zmq.PAIR)  # any thread, under _lock
+        self._tx.connect(addr)
+
+    def put(self, c: Completion) -> None:
+        """Queue a completion and wake the I/O thread (any thread; never blocks)."""
+        self._items.append(c)
+        with self._lock:
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+            try:
+                self._tx.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # the pipe holds unread wake-ups already: the I/O thread wakes
+                pass
+
+    def take(self) -> list[Completion]:
+        """Every completion queued so far (I/O thread).  The flag is cleared first, so
+        a completion queued while this runs sends a new wake-up."""
+        with self._lock:
+            self._wake_pending = False
+        while True:
+            try:
+                self.rx.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        out = []
+        while self._items:
+            out.append(self._items.popleft())
+        return out
+
+    def close(self) -> None:
+        self._tx.close()
+        self.rx.close()
+
+
 class IoLoop:
     """Sockets, routing, replies and completions of one rank (I/O thread unless a
     method says otherwise).  Constructing it binds the sockets."""
@@ -55,8 +109,6 @@ class IoLoop:
         self._secret = secret
         cfg = rank.cfg
         self._replays = ReplayGuard(cfg.replay_window_s)  # I/O thread
-        self._done: collections.deque[Completion] = collections.deque()  # any thread appends
-        self._done_lock = threading.Lock()  # serialises senders on _done_tx
         self._pause_waiters: list[Job] = []  # I/O thread: pause requests answered once drained
         self.max_frame_bytes = max_frame_bytes(cfg.max_device_blocks, cfg.host_blocks_bound)
         self.ctx = zmq.Context(1)
@@ -74,11 +126,7 @@ class IoLoop:
                  "most %d frames kept per request; connections refused from file descriptor %d "
                  "of %d", self.max_frame_bytes, cfg.max_device_blocks,
                  cfg.host_blocks_bound, MAX_FRAMES, self._guard.threshold, self._guard.limit)
-        addr = f"inproc://kvswap-done-{id(self)}"
-        self._done_rx = self.ctx.socket(zmq.PAIR)  # I/O thread
-        self._done_rx.bind(addr)
-        self._done_tx = self.ctx.socket(zmq.PAIR)  # any thread, under _done_lock
-        self._done_tx.connect(addr)
+        self._done = CompletionQueue(self.ctx)  # any thread puts; the I/O thread takes
         self._sig_r, self._sig_w = socket.socketpair()  # the signal wake-up fd (I/O thread)
         self._sig_r.setblocking(False)
         self._sig_w.setblocking(False)
@@ -95,27 +143,36 @@ class IoLoop:
         buffered, while a message of many frames each under it passes.  libzmq
         delivers a multipart message only once all of it has arrived and sets no
         limit on the number of frames; :meth:`_recv` bounds what the daemon keeps
-        of it.  docs/protocol.md section 2 states the resulting bounds."""
+        of it.  docs/protocol.md section 2 states the resulting bounds.
+
+        ``SNDHWM`` 0 (no limit): a ROUTER silently drops a reply to a peer whose
+        queue is at its high-water mark (1000 by default), and a dropped reply
+        leaves a future waiting for its whole timeout.  Every reply answers a
+        request the peer sent, and each client bounds its requests in flight,
+        so the client is what bounds this queue."""
         cfg, names = self._rank.cfg, self._rank.names
-        self.router.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
-        self.router.setsockopt(zmq.LINGER, 2000)
+        self._limit(self.router)
         self.router.bind(names.endpoint(self._rank.index))
         os.chmod(names.endpoint_path(self._rank.index), 0o600)
         if cfg.listen_tcp:
             self.tcp_router = self.ctx.socket(zmq.ROUTER)
-            self.tcp_router.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
-            self.tcp_router.setsockopt(zmq.LINGER, 2000)
+            self._limit(self.tcp_router)
             self.tcp_router.bind(cfg.listen_tcp)
             log.info("also listening on %s (HMAC-SHA256 signed messages only)", cfg.listen_tcp)
         return ConnectionGuard(self.ctx, [s for s in (self.router, self.tcp_router)
                                           if s is not None])
+
+    def _limit(self, router: zmq.Socket) -> None:
+        router.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        router.setsockopt(zmq.SNDHWM, 0)
+        router.setsockopt(zmq.LINGER, 2000)
 
     def serve(self, handlers: dict[Op, Handler], begin_stop: Callable[[str], None],
               workers_done: Callable[[], bool]) -> None:
         """The loop, until a stop has begun and every worker has finished."""
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
-        poller.register(self._done_rx, zmq.POLLIN)
+        poller.register(self._done.rx, zmq.POLLIN)
         poller.register(self._sig_r, zmq.POLLIN)
         if self.tcp_router is not None:
             poller.register(self.tcp_router, zmq.POLLIN)
@@ -130,7 +187,7 @@ class IoLoop:
                          if s in STOP_SIGNALS]
                 if stops:
                     begin_stop(f"signal {', '.join(stops)}")
-            if self._done_rx in events:
+            if self._done.rx in events:
                 self.flush_completions()
             for sock, signed in ((self.router, False), (self.tcp_router, True)):
                 if sock is None or sock not in events:
@@ -177,7 +234,10 @@ class IoLoop:
         route.sock.send_multipart([route.ident, *frames], copy=False)
 
     def reject(self, route: Route | None, req_id: int | None, op: str, exc: KvswapError) -> None:
-        log.warning("rejected %s %s: %s", op, req_id, exc)
+        # %.200r: the message quotes what a peer sent; repr escapes line breaks and the
+        # precision cuts it, so no value can forge or flood a log line.
+        log.warning("rejected %s %.200r: [%d] %.200r", op, req_id, exc.code, exc.message)
+        self._rank.sm.note_error(exc.code)
         self._rank.sig.add(R.FAILED, 1)
         self._rank.stats.error(exc.code)
         self.reply(route, req_id, exc.code, exc.message)
@@ -187,7 +247,10 @@ class IoLoop:
         t_recv = time.perf_counter_ns()
         route = Route(sock, frames[0].bytes, signed)
         if dropped:
-            self.reject(route, None, "request", KvswapError(
+            # Under its id on ipc://; on tcp:// the MAC covers frames never read, so the
+            # header is not authenticated and its id is not echoed (as for a bad MAC).
+            req_id = None if signed else peek_request_id(frames[1].buffer)
+            self.reject(route, req_id, "request", KvswapError(
                 f"message of {len(frames) - 1 + dropped} frames; a request has at most "
                 f"{MAX_FRAMES} (a header and two id frames per batch task"
                 f"{', after the MAC' if signed else ''}), the rest were discarded unread",
@@ -225,18 +288,11 @@ class IoLoop:
 
     def complete(self, c: Completion) -> None:
         """Hand a completion to the I/O thread (any thread)."""
-        self._done.append(c)
-        with self._done_lock:
-            self._done_tx.send(b"")
+        self._done.put(c)
 
     def flush_completions(self) -> None:
-        while True:
-            try:
-                self._done_rx.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-        while self._done:
-            self.deliver(self._done.popleft())
+        for c in self._done.take():
+            self.deliver(c)
         self._answer_pause_waiters()
 
     def deliver(self, c: Completion) -> None:
@@ -258,6 +314,8 @@ class IoLoop:
                 stats.record(timed, 0, (c.t_start - job.t_recv) / 1e3)
                 stats.record(timed, 1, (c.t_end - c.t_start) / 1e3)
             crashpoints.hit("reply.before")
+        if c.code not in (ErrorCode.OK, ErrorCode.CANCELLED):
+            self._rank.sm.note_error(c.code)
         self.reply(job.route, job.req_id, c.code, c.message,
                    queued_us=(c.t_start - job.t_recv) / 1e3,
                    exec_us=(c.t_end - c.t_start) / 1e3, fields=c.fields)
@@ -281,7 +339,8 @@ class IoLoop:
         signal.set_wakeup_fd(-1)
         self._sig_r.close()
         self._sig_w.close()
-        for s in (self._done_tx, self._done_rx, self.router, self.tcp_router):
+        self._done.close()
+        for s in (self.router, self.tcp_router):
             if s is not None:
                 s.close()
         self.ctx.term()

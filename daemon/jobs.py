@@ -20,6 +20,10 @@ from kvswap.client.protocol import OPS, HandlerKind, Lane, Op, Request
 
 # Ops the storage worker runs; derived from the op table so that an op states its lane once.
 STORAGE_OPS = frozenset(op for op, spec in OPS.items() if spec.lane is Lane.STORAGE)
+# Ops the peer workers run (daemon/peer_ops.py), and how many peer workers a rank has
+# with --peer-transfer: one push may wait on the network while another runs.
+PEER_OPS = frozenset(op for op, spec in OPS.items() if spec.lane is Lane.PEER)
+PEER_WORKERS = 2
 
 
 class DaemonError(Exception):

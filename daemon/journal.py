@@ -25,9 +25,8 @@ reply is sent.  Three facts follow:
    source and writes the same destination: the restarted daemon replays every
    ADMITTED record, in admission order, before it reports READY.  Nothing new
    is admitted before the replay ends, so no task of any client can come in
-   between.  (A prefetch cannot be replayed -- its count was agreed with the
-   other ranks -- so it ends OUTCOME_UNKNOWN; its host blocks are released.
-   Nor is a backup: its model version is not journaled.)
+   between.  (Not a prefetch or peer transfer -- other ranks or nodes took part --
+   nor a backup -- its model version is not journaled: they end OUTCOME_UNKNOWN.)
 3. A re-sent task with no record was never admitted (or was rejected, which
    changed nothing): it is admitted now like a new one.  The exception is a
    record that was dropped to make room, which would look the same; the
@@ -110,7 +109,10 @@ STATE_OFFSET = 8 * 6 + 4 + 4 + 2  # byte offset of ``state`` inside a record
 # Header slots.
 _MAGIC, _CAPACITY, _ARENA, _HEAD, _TAIL, _ARENA_HEAD, _DROPPED = range(7)
 
-JOURNALED_OPS: tuple[Op, ...] = (Op.EVICT, Op.LOAD, Op.BACKUP, Op.PREFETCH)
+JOURNALED_OPS = (Op.EVICT, Op.LOAD, Op.BACKUP, Op.PREFETCH, Op.PEER_RECV, Op.PEER_SEND)
+HOST_ONLY_OPS = frozenset({Op.BACKUP, Op.PREFETCH, Op.PEER_RECV, Op.PEER_SEND})  # no device ids
+# Not run again after a crash: other ranks (a prefetch's agreed count) or another node took part.
+UNREPLAYABLE_OPS = frozenset({Op.PREFETCH, Op.PEER_RECV, Op.PEER_SEND})
 _OP_CODE = {op: i + 1 for i, op in enumerate(JOURNALED_OPS)}
 _CODE_OP = {i: op for op, i in _OP_CODE.items()}
 KEY_BYTES = 32
@@ -150,11 +152,11 @@ def reply_fields(op: Op, a: int, b: int) -> dict:
         return {"bytes": a, "merged": b}
     if op is Op.BACKUP:
         return {"count": a, "skipped": b}
-    return {"count": a}
+    return {"bytes": a} if op in (Op.PEER_RECV, Op.PEER_SEND) else {"count": a}
 
 
 def split_fields(op: Op, fields: dict) -> tuple[int, int]:
-    if op in (Op.EVICT, Op.LOAD):
+    if op in (Op.EVICT, Op.LOAD, Op.PEER_RECV, Op.PEER_SEND):
         return int(fields.get("bytes", 0)), int(fields.get("merged", 0))
     return int(fields.get("count", 0)), int(fields.get("skipped", 0))
 
@@ -200,7 +202,7 @@ class Journal:
                              f"{capacity} and {arena_bytes}")
         name = names.journal_segment(rank)
         try:
-            region = ShmRegion.attach(name, min_size=HEADER.size)
+            region = ShmRegion.attach(name, min_size=HEADER.size, populate=True)  # no faults later
         except posix_ipc.ExistentialError:
             region = None
         if region is not None:
@@ -209,8 +211,8 @@ class Journal:
                 return cls(region, reused=True)
             region.close()
             unlink_shm(name)
-        region = ShmRegion.create(name, cls.segment_bytes(capacity, arena_bytes),
-                                  exclusive=False)
+        region = ShmRegion.create(name, cls.segment_bytes(capacity, arena_bytes), exclusive=False,
+                                  populate=True)  # as the pool: no page fault when recording
         buf = region.array(0, (HEADER.size,), np.uint8)
         HEADER.pack_into(buf, 0, 0, capacity, arena_bytes, 0, 0, 0, 0, 0)
         struct.pack_into("<Q", buf, 0, MAGIC)  # last: a half-made journal is not one
@@ -234,7 +236,7 @@ class Journal:
         wide = any(a.dtype.itemsize > 4 and a.size and int(a.max()) > 0x7FFFFFFF
                    for a in (device_ids, host_ids))
         dtype = "<i8" if wide else "<i4"
-        n = int(keys.shape[0]) if keys is not None else int(device_ids.shape[0])
+        n = int(host_ids.shape[0])  # block pairs, or keys (one host block each)
         width = 8 if wide else 4
         length = (device_ids.size + host_ids.size) * width + (keys.size if keys is not None
                                                               else 0)
@@ -321,7 +323,7 @@ class Journal:
                 dtype = "<i8" if width == 8 else "<i4"
                 storage = op in (Op.BACKUP, Op.PREFETCH)
                 pos = rec[3] % self.arena_bytes
-                n_dev = 0 if storage else n
+                n_dev = 0 if op in HOST_ONLY_OPS else n
                 dev = self._arena[pos:pos + n_dev * width].view(dtype).astype(np.int64)
                 pos += n_dev * width
                 host = self._arena[pos:pos + n * width].view(dtype).astype(np.int64)

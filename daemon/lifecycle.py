@@ -24,6 +24,7 @@ from kvswap.daemon.attachment import AttachmentSlot, Registrar
 from kvswap.daemon.exactly_once import ExactlyOnce
 from kvswap.daemon.io_loop import IoLoop
 from kvswap.daemon.jobs import Completion, Handler, Job
+from kvswap.daemon.peer_ops import PeerOps
 from kvswap.daemon.rank import RankContext
 from kvswap.daemon.transfers import Transfers
 
@@ -35,13 +36,14 @@ class Lifecycle:
 
     def __init__(self, rank: RankContext, io: IoLoop, slot: AttachmentSlot,
                  registrar: Registrar, exactly: ExactlyOnce, transfers: Transfers,
-                 control: queue.SimpleQueue):
+                 peer: PeerOps, control: queue.SimpleQueue):
         self._rank = rank
         self._io = io
         self._slot = slot
         self._registrar = registrar
         self._exactly = exactly
         self._transfers = transfers
+        self._peer = peer
         self._control = control  # SERIAL jobs, in arrival order; None ends the thread
         self._thread: threading.Thread | None = None  # main thread: started, joined
 
@@ -78,8 +80,13 @@ class Lifecycle:
                 log.exception("%s failed unexpectedly", job.op.value)
                 c = Completion(job, ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}",
                                t_start, time.perf_counter_ns())
-            if job.route is None and c.code != ErrorCode.OK:
-                log.warning("internal %s failed: [%d] %s", job.op.value, c.code, c.message)
+            if c.code != ErrorCode.OK:
+                log.warning("%s%s %s failed: [%d] %.200r", "internal " if job.route is None else "",
+                            job.op.value, job.req_id, c.code, c.message)
+                if job.op is Op.REGISTER and job.route is None and rank.cfg.demo_caches is not None:
+                    # Nobody else will register the daemon's own caches: ATTACHING forever
+                    # would only end at the launcher's timeout, without the reason.
+                    rank.sm.fail(c.code, f"attaching the demo caches failed: {c.message}")
             self._io.complete(c)
             if job.op is Op.REGISTER and c.code == ErrorCode.OK:
                 if job.replace:  # the other ranks stay READY: no barrier to meet
@@ -212,6 +219,7 @@ class Lifecycle:
             for task in att.scheduler.stop():
                 self._exactly.settle(Completion.now(task.ctx, ErrorCode.SHUTTING_DOWN,
                                                     f"rank {rank.index} is shutting down", now))
+        self._peer.stop()  # held receives end SHUTTING_DOWN too
 
     def workers_done(self) -> bool:
         if self._thread is not None and self._thread.is_alive():

@@ -12,6 +12,7 @@ import sys
 from kvswap.client import __version__
 from kvswap.client.errors import KvswapError
 from kvswap.daemon.config import DaemonConfig
+from kvswap.daemon import malloc_tuning
 from kvswap.daemon.logs import setup_logging
 from kvswap.daemon.options import HelpFormatter, add_options, parse_config
 from kvswap.daemon.jobs import DaemonError
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     log = logging.getLogger("kvswap.daemon")
     raise_fd_limit(log)
+    log.info("%s", malloc_tuning.tune())
     try:
         return Daemon(cfg).run()
     except (DaemonError, KvswapError) as exc:

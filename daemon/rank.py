@@ -29,6 +29,7 @@ from kvswap.client.signals import (
 from kvswap.daemon.agreement import Agreement
 from kvswap.daemon.config import DaemonConfig
 from kvswap.daemon.jobs import DaemonError
+from kvswap.daemon.malloc_tuning import Trimmer
 from kvswap.daemon.state import StateMachine
 
 log = logging.getLogger("kvswap.daemon")
@@ -130,11 +131,13 @@ class RankContext:
 
 
 class Heartbeat:
-    """The heartbeat thread: ``heartbeat_ns`` every ``heartbeat_interval_s``, and a
-    clean stop (SIGTERM to itself) once the daemon is orphaned."""
+    """The heartbeat thread: ``heartbeat_ns`` every ``heartbeat_interval_s``, a clean
+    stop (SIGTERM to itself) once the daemon is orphaned, and free heap memory
+    returned to the system every few seconds (:mod:`~kvswap.daemon.malloc_tuning`)."""
 
     def __init__(self, rank: RankContext):
         self._rank = rank
+        self._trimmer = Trimmer()  # heartbeat thread
         self._stop = threading.Event()  # set by the thread that stops the daemon
         self._thread = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
 
@@ -149,6 +152,7 @@ class Heartbeat:
         next_orphan_check = 0.0
         while not self._stop.is_set():
             self._rank.sig[R.HEARTBEAT_NS] = now_ns()
+            self._trimmer.maybe()
             if time.monotonic() >= next_orphan_check:
                 next_orphan_check = time.monotonic() + 1.0
                 why = self._rank.orphaned()

@@ -22,6 +22,11 @@ per-layer progress of their own).
 Cancellation removes a task that has not started; its dependents are released
 as if it had finished (it changed nothing).  A task that has started always
 completes.
+
+A *held* op (``OpSpec.held``: a peer receive) stays RUNNING after its worker
+returns: its host blocks are written by another node, so the daemon calls
+:meth:`Scheduler.finish` when the bytes have landed, or the receive was
+cancelled or expired.  Until then every later task touching those blocks waits.
 """
 
 from __future__ import annotations
@@ -76,7 +81,7 @@ RunBatch = Callable[[list[Task]], None]
 LANES: dict[str, tuple[Op, ...]] = {
     lane.value: tuple(sorted((op for op, spec in OPS.items() if spec.lane is lane),
                              key=lambda op: not OPS[op].urgent))
-    for lane in (Lane.TRANSFER, Lane.STORAGE)
+    for lane in (Lane.TRANSFER, Lane.STORAGE, Lane.PEER)
 }
 
 
@@ -90,10 +95,12 @@ class Scheduler:
 
     def __init__(self, num_device_blocks: int, num_host_blocks: int, run_batch: RunBatch,
                  workers: int = 2, merge: bool = True, max_merge_blocks: int = 4096,
-                 storage_workers: int = 0):
+                 storage_workers: int = 0, peer_workers: int = 0):
         """``workers`` threads run evicts and loads; ``storage_workers`` threads run
         backups, prefetches and exists (which take part in hazard ordering on host
-        blocks like any task, but must not hold up copies while storage is slow)."""
+        blocks like any task, but must not hold up copies while storage is slow);
+        ``peer_workers`` threads run peer sends and arm peer receives (a send waits on
+        the network, which must not hold up copies either)."""
         if workers < 1:
             raise ValueError("a scheduler needs at least one transfer worker")
         self._run_batch = run_batch
@@ -110,7 +117,8 @@ class Scheduler:
         self.merged_batches = 0
         self._threads = [
             threading.Thread(target=self._worker, args=(lane,), name=f"{lane}-{i}", daemon=True)
-            for lane, count in (("transfer", workers), ("storage", storage_workers))
+            for lane, count in (("transfer", workers), ("storage", storage_workers),
+                                ("peer", peer_workers))
             for i in range(count)]
         for t in self._threads:
             t.start()
@@ -259,7 +267,7 @@ class Scheduler:
                     self._cv.wait()
                     batch = self._take(lane)
             self._run_batch(batch)
-            self.finish(batch)
+            self.finish([t for t in batch if not OPS[t.op].held])
 
 
 def concat_ids(tasks: Sequence[Task]) -> tuple[np.ndarray, np.ndarray]:

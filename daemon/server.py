@@ -8,6 +8,7 @@ Each part owns its state (docs/architecture.md, sections 2 and 11):
 * :mod:`~kvswap.daemon.exactly_once`: the completion journal;
 * :mod:`~kvswap.daemon.transfers`: evict, load, batch, cancel;
 * :mod:`~kvswap.daemon.storage_service`: backup, prefetch, exists;
+* :mod:`~kvswap.daemon.peer_ops`: peer_info, peer_recv, peer_send (node to node);
 * :mod:`~kvswap.daemon.lifecycle`: the control thread and every state change.
 
 This module wires them, owns the op -> handler table, runs the I/O loop on the
@@ -23,7 +24,7 @@ import queue
 import zmq
 
 from kvswap.client.auth import load_secret
-from kvswap.client.errors import ErrorCode
+from kvswap.client.errors import ErrorCode, KvswapError
 from kvswap.client.protocol import Op
 from kvswap.client.signals import RankState
 from kvswap.daemon import crashpoints
@@ -35,6 +36,7 @@ from kvswap.daemon.io_loop import IoLoop
 from kvswap.daemon.jobs import DaemonError, Handler, Job, check_handlers
 from kvswap.daemon.journal import Journal
 from kvswap.daemon.lifecycle import Lifecycle
+from kvswap.daemon.peer_ops import PeerOps
 from kvswap.daemon.rank import Heartbeat, RankContext
 from kvswap.daemon.storage_service import StorageService
 from kvswap.daemon.transfers import Transfers
@@ -79,9 +81,19 @@ class Daemon:
         slot = AttachmentSlot()
         exactly = ExactlyOnce(rank, journal, io)
         storage = StorageService(rank, slot, exactly)
-        transfers = Transfers(rank, backend, io, slot, exactly, storage)
-        registrar = Registrar(rank, backend, io, slot, storage, control, transfers.run_batch)
-        life = Lifecycle(rank, io, slot, registrar, exactly, transfers, control)
+        try:
+            peer = PeerOps(rank, slot, exactly)
+        except KvswapError as exc:  # --peer-transfer: the Transfer Engine did not start
+            rank.sm.fail(exc.code, exc.message)
+            io.close()
+            journal.close(unlink=False)
+            heartbeat.stop()
+            rank.close()
+            return 2
+        transfers = Transfers(rank, backend, io, slot, exactly, storage, peer)
+        registrar = Registrar(rank, backend, io, slot, storage, control, transfers.run_batch,
+                              pool_users=[peer])
+        life = Lifecycle(rank, io, slot, registrar, exactly, transfers, peer, control)
         handlers = {
             Op.REGISTER: Handler(run=registrar.run, admit=registrar.admit),
             Op.EVICT: Handler(admit=transfers.admit),
@@ -98,6 +110,9 @@ class Daemon:
             Op.PING: Handler(run=life.ping),
             Op.STATS: Handler(run=life.stats),
             Op.SHUTDOWN: Handler(run=life.shutdown),
+            Op.PEER_INFO: Handler(run=peer.info),
+            Op.PEER_RECV: Handler(admit=peer.admit),
+            Op.PEER_SEND: Handler(admit=peer.admit),
         }
         check_handlers(handlers)
         life.start(handlers)
@@ -120,6 +135,7 @@ class Daemon:
             att = slot.current
             if att is not None and not att.scheduler.join(60):
                 log.error("transfer workers did not finish within 60s")
+            peer.close()
             registrar.release()
             storage.close()
             exactly.close()

@@ -61,6 +61,13 @@ class StateMachine:
         log.info("state %s -> %s", cur.name, new.name)
         return True
 
+    def note_error(self, code: ErrorCode) -> None:
+        """Record the code of a failed request in ``last_error``; the state stays.  A
+        FAILED rank keeps the code it failed with, which is what an operator needs."""
+        with self._lock:
+            if self._state is not RankState.FAILED:
+                self._sig[R.LAST_ERROR] = int(code)
+
     def fail(self, code: ErrorCode, why: str) -> None:
         with self._lock:
             self._sig[R.LAST_ERROR] = int(code)

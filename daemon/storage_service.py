@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -83,6 +83,12 @@ class StorageService:
                      self._rank.cfg.storage_url, self._rank.cfg.model_id,
                      self._rank.cfg.model_version)
 
+    def use_pool(self, blocks: Sequence[np.ndarray]) -> None:
+        """The host pool that backups read and prefetches fill, registered with the
+        backend (control thread); ``[]`` before the pool is unmapped."""
+        if self._backend is not None:
+            self._backend.register_buffers("host", list(blocks))
+
     def close(self) -> None:
         """Teardown, after the storage worker ended."""
         if self._backend is not None:
@@ -110,6 +116,7 @@ class StorageService:
         if req.op is Op.PREFETCH:
             PrefetchOptions.from_header(req.header)  # refused here, before anything runs
         if req.op is Op.EXISTS:
+            validate_storage(req.op, None, n, att.num_host_blocks)  # the keys per message
             host = np.empty(0, dtype=np.int64)
             job.keys = decode_keys(req.frames[0], n)
         else:
@@ -157,7 +164,13 @@ class StorageService:
         size = HEADER_BYTES + payload_bytes
         stage = self._stage.get(part)
         if stage is None or stage.shape[0] < n or stage.shape[1] != size:
-            stage = self._stage[part] = np.empty((max(n, 1), size), dtype=np.uint8)
+            stage = np.empty((max(n, 1), size), dtype=np.uint8)
+            assert self._backend is not None
+            # a zero-copy store reads into registered memory: register before the old
+            # buffer is freed (the backend then drops its registration of that one)
+            self._backend.register_buffers(
+                "staging", [*(s for p, s in self._stage.items() if p != part), stage])
+            self._stage[part] = stage
         return [memoryview(stage[i]) for i in range(n)]
 
     def _backup(self, att: "Attachment", host_ids: np.ndarray, parts: list[Part]) -> int:
@@ -274,6 +287,7 @@ class StorageService:
             if isinstance(result, CorruptEntry):
                 if name not in self._reported_corrupt and len(self._reported_corrupt) < 100_000:
                     self._reported_corrupt.add(name)
+                    # names are entry_name()'s hex and digits, never a peer's raw text
                     log.warning("storage entry %s is unusable (%s); treated as a miss and "
                                 "deleted", name, result)
                 # stores never overwrite (a backup skips existing names): remove it so

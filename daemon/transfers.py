@@ -30,7 +30,8 @@ from kvswap.daemon.attachment import Attachment, AttachmentSlot
 from kvswap.daemon.backend import Backend
 from kvswap.daemon.exactly_once import ExactlyOnce
 from kvswap.daemon.io_loop import IoLoop
-from kvswap.daemon.jobs import STORAGE_OPS, Completion, Job, Origin
+from kvswap.daemon.jobs import PEER_OPS, STORAGE_OPS, Completion, Job, Origin
+from kvswap.daemon.peer_ops import PeerOps
 from kvswap.daemon.rank import RankContext
 from kvswap.daemon.scheduler import Task, TaskState, concat_ids
 from kvswap.daemon.storage_service import StorageService
@@ -42,13 +43,14 @@ class Transfers:
     """Admission and execution of evict, load, batch and cancel."""
 
     def __init__(self, rank: RankContext, backend: Backend, io: IoLoop, slot: AttachmentSlot,
-                 exactly: ExactlyOnce, storage: StorageService):
+                 exactly: ExactlyOnce, storage: StorageService, peer: PeerOps):
         self._rank = rank
         self._backend = backend
         self._io = io
         self._slot = slot
         self._exactly = exactly
         self._storage = storage
+        self._peer = peer
 
     # ---------------------------------------------------------------- I/O thread
     def admit(self, job: Job, req: Request | None) -> None:
@@ -114,7 +116,15 @@ class Transfers:
             return t.ctx.route == job.route and t.ctx.req_id == target
 
         task = att.scheduler.cancel(mine)
+        if task is not None and task.op in PEER_OPS:
+            self._peer.cancel(task)  # dropped before it started: forget its ticket
         if task is None:
+            held = att.scheduler.find(
+                lambda t: mine(t) and t.op is Op.PEER_RECV and t.state is TaskState.RUNNING)
+            if held is not None:
+                cancelled = self._peer.cancel(held)
+                self._io.flush_completions()  # its CANCELLED reply precedes the cancel's
+                return {"cancelled": cancelled}
             running = att.scheduler.find(
                 lambda t: mine(t) and t.op is Op.PREFETCH and t.state is TaskState.RUNNING)
             if running is not None:
@@ -139,6 +149,8 @@ class Transfers:
         """Copy one batch of tasks; never raises (a failure is every task's outcome)."""
         if batch[0].op in STORAGE_OPS:
             return [self._storage.execute(t, att) for t in batch]
+        if batch[0].op in PEER_OPS:
+            return self._peer.execute(batch, att)
         t_start = time.perf_counter_ns()
         op = batch[0].op
         crashpoints.hit("copy.before")

@@ -19,8 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
+import zmq
 
 from kvswap.client.naming import Names
+from kvswap.client.protocol import Reply, decode_reply
 from kvswap.daemon.launcher import LaunchConfig, Launcher, sweep_namespace
 
 _counter = itertools.count()
@@ -76,6 +78,26 @@ def namespaces(run_root):
 
 
 SMALL_LAYOUT = "layers=2,block_tokens=4,heads=2,head_dim=8,blocks=32"
+
+
+class RawPeer:
+    """A bare DEALER to one rank, for requests a TransferClient would never send:
+    one request at a time, its reply."""
+
+    def __init__(self, endpoint: str):
+        self.ctx = zmq.Context(1)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def ask(self, frames, timeout_s: float = 10.0) -> Reply:
+        self.sock.send_multipart(frames)
+        assert self.sock.poll(int(timeout_s * 1000)), "daemon did not answer"
+        return decode_reply(self.sock.recv_multipart()[0])
+
+    def close(self):
+        self.sock.close()
+        self.ctx.term()
 
 
 def wait_for_state(launcher: Launcher, state, timeout: float = 20.0) -> None:

@@ -87,6 +87,19 @@ def test_a_late_rank_sees_the_abort_instead_of_waiting(ranks):
     assert time.monotonic() - t0 < 5
 
 
+def test_a_rank_that_aborts_before_its_first_round_stops_its_peers_waiting(ranks):
+    """A rank that fails before its first round (its store did not answer) aborts
+    the task: a peer waiting in any round aborts at once, not at its timeout."""
+    _, (a0, a1) = ranks
+    t0 = time.monotonic()
+    out = _both(lambda: a0.agree(21, 0, 4, 30, last_round=1),
+                lambda: a1.abort(21, last_round=1))
+    assert isinstance(out[0], BarrierAborted) and "rank 1 gave up" in str(out[0])
+    with pytest.raises(BarrierAborted, match="gave up"):  # the later round too
+        a0.agree(21, 1, 4, 30, last_round=1)
+    assert time.monotonic() - t0 < 5
+
+
 def test_cancel_while_waiting_aborts_every_rank(ranks):
     _, (a0, a1) = ranks
     flag = threading.Event()

@@ -26,6 +26,7 @@ from kvswap.client.errors import InvalidTask, NotReady, RankTimeout
 from kvswap.client.protocol import (
     MAX_FRAMES,
     Op,
+    Reply,
     decode_reply,
     max_frame_bytes,
     packb,
@@ -109,6 +110,7 @@ class Attacker:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDTIMEO, 10_000)
         self.mon = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.last_reply: Reply | None = None  # the last send()'s reply
         self.sock.connect(endpoint)
 
     def send(self, frames: list, timeout_s: float = 30.0) -> ErrorCode | None:
@@ -125,7 +127,8 @@ class Attacker:
         body = self.sock.recv_multipart()
         if self.signed:
             _, body = verify(SECRET, body)
-        return decode_reply(body[0]).code
+        self.last_reply = decode_reply(body[0])
+        return self.last_reply.code
 
     def close(self) -> None:
         self.sock.disable_monitor()
@@ -182,7 +185,8 @@ def test_frames_under_the_limit_cost_one_message_at_a_time(target):
 def test_a_message_of_too_many_frames_is_refused_and_released(target):
     """More frames than any request has (MAX_FRAMES): the daemon keeps the first
     MAX_FRAMES, releases the rest as it reads them and answers MESSAGE_TOO_LARGE
-    instead of holding a Python object per frame."""
+    instead of holding a Python object per frame, under the request's id where the
+    header is authentic (fuzz finding: the id was always nil)."""
     rss_before = _status_kib(target.pid, "VmRSS")
     frames = _ping_frames(target.signed) + [b""] * 400_000
     if target.signed:
@@ -190,6 +194,8 @@ def test_a_message_of_too_many_frames_is_refused_and_released(target):
     attacker = Attacker(target.endpoint, target.signed)
     try:
         assert attacker.send(frames) == ErrorCode.MESSAGE_TOO_LARGE
+        # under the ping's id (5) on ipc://; nil on tcp://, whose MAC was never checked
+        assert attacker.last_reply.id == (None if target.signed else 5)
         ok = _ping_frames(target.signed) + [b""] * (MAX_FRAMES - 1)  # at the limit: read whole
         assert attacker.send(sign(SECRET, ok) if target.signed else ok) == ErrorCode.BAD_FRAMES
     finally:

@@ -134,6 +134,9 @@ NON_DEFAULT = {
     "journal_records": 1000,
     "journal_mib": 4,
     "log_level": "DEBUG",
+    "peer_transfer": "rdma",
+    "peer_host": "10.0.0.7",
+    "peer_timeout_s": 7.5,
 }
 
 

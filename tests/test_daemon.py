@@ -6,14 +6,12 @@ from __future__ import annotations
 import msgpack
 import numpy as np
 import pytest
-import zmq
 
 from kvswap.client.errors import ErrorCode
 from kvswap.client.layout import TensorDesc, demo_layout
 from kvswap.client.protocol import (
     PROTOCOL_VERSION,
     Op,
-    decode_reply,
     encode_request,
     encode_transfer,
     packb,
@@ -22,26 +20,9 @@ from kvswap.client.shm_region import ShmRegion
 from kvswap.client.signals import R, RankState
 from kvswap.daemon.swap_space import SwapLayout
 
-from conftest import SMALL_LAYOUT, wait_for_state
+from conftest import SMALL_LAYOUT, RawPeer, wait_for_state
 
 HOST_BLOCKS = 64
-
-
-class RawPeer:
-    def __init__(self, endpoint: str):
-        self.ctx = zmq.Context(1)
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-
-    def ask(self, frames, timeout_s: float = 10.0):
-        self.sock.send_multipart(frames)
-        assert self.sock.poll(int(timeout_s * 1000)), "daemon did not answer"
-        return decode_reply(self.sock.recv_multipart()[0])
-
-    def close(self):
-        self.sock.close()
-        self.ctx.term()
 
 
 @pytest.fixture

@@ -388,3 +388,55 @@ def test_readers_never_see_a_half_written_update(namespaces):
         child.wait(10)
         child.stdout.close()
     assert child.returncode == 0 and reads > 100
+
+
+# ------------------------------------------------------------------ persisted index
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_persisted_index_survives_the_engine_and_never_names_a_rewritten_block(system, policy):
+    """HostCache(persist=ns): a successor engine recovers the ready blocks, loads them
+    with the right bytes, and does not recover a pending store or a block that was
+    being overwritten when the first engine died; another pool discards the mirror."""
+    launcher, client, device = system
+    ns, rr = launcher.names.namespace, str(launcher.names.run_root)
+    first = HostCache(HOST, policy, persist=ns, run_root=rr)
+    stored = list(range(100, 108))
+    device.write(list(range(8)), stored)
+    first.offload(client, [_key(h) for h in stored], list(range(8))).result(30)
+    first.poll()
+    assert first.lookup([_key(h) for h in stored]) == 8
+    # the engine dies with two stores prepared (never completed) and one that evicts
+    # the oldest ready block (100): 8 ready + 2 pending + 7 new > 16 host blocks
+    assert first.prepare_store([_key(200), _key(201)]) is not None
+    out = first.prepare_store([_key(h) for h in range(300, 307)])
+    assert out is not None and out.evicted == [_key(100)]
+    del first, out  # no close(): a crash leaves the mirror as it was written
+
+    second = HostCache(HOST, policy, persist=ns, run_root=rr)
+    assert second.stats()["recovered"] == 7
+    (event,) = second.take_events()
+    assert not event.removed and event.hashes == [_key(h) for h in stored[1:]]
+    assert second.lookup([_key(h) for h in stored[1:]]) == 7
+    assert second.lookup([_key(100)]) == 0 and second.lookup([_key(200)]) == 0
+    # the recency order came back too: the oldest recovered block is the first victim
+    extra = [_key(h) for h in range(400, 410)]
+    assert second.prepare_store(extra).evicted == [_key(101)]
+    second.complete_store(extra, success=False)
+    device.wipe(list(range(8)))
+    second.fetch(client, [_key(h) for h in stored[2:]], list(range(6))).result(30)
+    assert device.holds(list(range(6)), stored[2:])
+    with pytest.raises(ValueError, match="is not 32 bytes"):
+        second.prepare_store([5])
+    second.close()
+
+    client.clear_caches(free_host=True).result(30)
+    client.restore_caches().result(30)
+    client.wait_ready(30)
+    third = HostCache(HOST, policy, persist=ns, run_root=rr)
+    assert third.stats()["recovered"] == 0 and third.lookup([_key(102)]) == 0
+    third.close()

@@ -14,6 +14,7 @@ import zmq
 from kvswap.client import CacheTensor, CacheWorker
 from kvswap.client.block_keys import block_hashes
 from kvswap.client.errors import ErrorCode, InvalidTask, TransferFailed, RankFailure, error_for_code
+from kvswap.client.ticket import RankEndpoint, Ticket
 from kvswap.client.protocol import (
     OPS,
     PROTOCOL_VERSION,
@@ -207,7 +208,8 @@ def test_lanes_storage_ops_and_histograms_derive_from_the_op_table():
     """The scheduler's lanes (and their pick order), the daemon's storage ops and the
     histogram layout follow the op table; the values are today's behaviour."""
     assert LANES == {"transfer": (Op.LOAD, Op.EVICT),
-                     "storage": (Op.PREFETCH, Op.BACKUP, Op.EXISTS)}
+                     "storage": (Op.PREFETCH, Op.BACKUP, Op.EXISTS),
+                     "peer": (Op.PEER_RECV, Op.PEER_SEND)}
     assert STORAGE_OPS == {Op.BACKUP, Op.PREFETCH, Op.EXISTS}
     assert HIST_OPS == ("evict", "load", "backup", "prefetch")
     scheduled = {op for ops in LANES.values() for op in ops}
@@ -218,6 +220,8 @@ def test_lanes_storage_ops_and_histograms_derive_from_the_op_table():
         OpSpec(Op.EVICT, {}, 2, HandlerKind.TRANSFER, {})
     with pytest.raises(ValueError, match="only a scheduled op"):
         OpSpec(Op.STATS, {}, 0, HandlerKind.INLINE, {}, timed=True)
+    with pytest.raises(ValueError, match="only a peer-lane op can be held"):
+        OpSpec(Op.EVICT, {}, 2, HandlerKind.TRANSFER, {}, lane=Lane.TRANSFER, held=True)
 
 
 def test_a_batch_carries_copies_only():
@@ -335,8 +339,13 @@ def test_every_reply_carries_the_fields_of_its_op(namespaces):
     """Every op against a live daemon (host backend, a storage tier): an OK reply has
     exactly OpSpec.reply beyond the common fields, with those types."""
     store = f"file://{namespaces.run_root}/store"
+    try:
+        import mooncake.engine  # noqa: F401
+        peer_transfer = "tcp"
+    except ImportError:  # the peer ops are then checked by name only (they need the engine)
+        peer_transfer = None
     launcher = namespaces.launch(tp=1, demo_caches=None, wait=False, host_blocks=8,
-                                 storage_url=store)
+                                 storage_url=store, peer_transfer=peer_transfer)
     names = launcher.names
     sent: set[Op] = set()
     peer = _Peer(names.endpoint(0))
@@ -374,12 +383,25 @@ def test_every_reply_carries_the_fields_of_its_op(namespaces):
                         storage_message(op, i, blocks, keys).frames())
                 _check_reply(r, op)
                 assert r.fields["count"] == 2
+            if peer_transfer:  # a push from the rank into its own pool, over its engine
+                info = ask(Op.PEER_INFO, lambda i: encode_request(Op.PEER_INFO, i))
+                _check_reply(info, Op.PEER_INFO)
+                ticket = Ticket.issue(names.namespace, bytes.fromhex(info.fields["layout"]), [5],
+                                      [RankEndpoint.from_wire(info.fields)], 30, None).to_bytes()
+                recv_id = next(ids)
+                sent.add(Op.PEER_RECV)
+                peer.sock.send_multipart(encode_request(Op.PEER_RECV, recv_id, {}, [ticket]))
+                one = np.array([4], dtype="<i8")
+                _check_reply(ask(Op.PEER_SEND, lambda i: encode_request(
+                    Op.PEER_SEND, i, {"ids": "<i8", "n": 1}, [one, ticket])), Op.PEER_SEND)
+                _check_reply(peer.reply(recv_id), Op.PEER_RECV)
             for op in (Op.PAUSE, Op.RESUME, Op.CLEAR, Op.RESTORE, Op.SHUTDOWN):
                 _check_reply(ask(op, lambda i, op=op: encode_request(op, i)), op)
             assert launcher.procs[0].wait(timeout=20) == 0
     finally:
         peer.close()
-    assert sent == set(Op), f"not sent: {set(Op) - sent}"
+    peer_ops = set() if peer_transfer else {Op.PEER_INFO, Op.PEER_RECV, Op.PEER_SEND}
+    assert sent == set(Op) - peer_ops, f"not sent: {set(Op) - sent}"
 
 
 def test_signals_doc_names_every_field():
@@ -422,3 +444,16 @@ def test_ids_outside_int64_are_refused_before_they_reach_a_shm_table(bad):
     with pytest.raises(RequestError) as exc:
         decode_batch(req)
     assert exc.value.code == ErrorCode.BAD_FIELD and "batch task 0" in exc.value.message
+
+
+@pytest.mark.parametrize("name, value", [("cid", None), ("cs", None), ("re", None),
+                                         ("cs", -1), ("cid", "1"), ("re", 1)])
+def test_client_fields_present_but_mistyped_are_refused(name, value):
+    """cid/cs/re present with nil or another type are BAD_FIELD at decoding (a nil cs
+    used to pass as absent and fail in the journal with INTERNAL_ERROR; fuzz finding)."""
+    from kvswap.client.protocol import RequestError, decode_request, packb
+
+    header = {"v": list(PROTOCOL_VERSION), "id": 7, "op": "ping", name: value}
+    with pytest.raises(RequestError) as exc:
+        decode_request([packb(header)])
+    assert exc.value.code == ErrorCode.BAD_FIELD and repr(name) in exc.value.message

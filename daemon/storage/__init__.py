@@ -212,6 +212,17 @@ class StorageBackend(Protocol):
     def delete(self, names: Sequence[str]) -> None:
         """Remove entries; a missing name is not an error."""
 
+    def register_buffers(self, role: str, buffers: Sequence[Buffer]) -> None:
+        """Tell the backend which long-lived memory its parts and ``into`` buffers come
+        from, so a backend whose transfers need registered memory (Mooncake) moves
+        them without a copy; a no-op for the others.
+
+        ``role`` names the owner (``"host"``: the rank's host swap pool,
+        ``"staging"``: the prefetch staging area); a call replaces what the role
+        registered before, and ``[]`` releases it, which the owner must do before
+        it frees or unmaps that memory.  Buffers outside registered memory still
+        work (copied)."""
+
     def close(self) -> None:
         """Release connections and files; any later call raises StorageError."""
 
@@ -289,6 +300,7 @@ class BackendEntry:
 BACKENDS: tuple[BackendEntry, ...] = (
     BackendEntry(("file",), "file", "FileBackend"),
     BackendEntry(("redis", "rediss", "unix"), "redis", "RedisBackend", extra="redis"),
+    BackendEntry(("mooncake",), "mooncake", "MooncakeBackend", extra="mooncake"),
 )
 
 
@@ -350,6 +362,8 @@ def open_backend(url: str) -> StorageBackend:
     - ``redis://[[user]:password@]host:port/db?timeout_s=5``, ``rediss://`` (TLS),
       ``unix:///path/redis.sock?db=0``: Redis or Valkey (:mod:`.redis`, needs
       ``kvswap[redis]``); connects lazily.
+    - ``mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata&protocol=tcp``:
+      Mooncake Store (:mod:`.mooncake`, needs ``kvswap[mooncake]``); connects lazily.
 
     ValueError for a malformed URL, an unknown scheme (the message lists the
     registered ones) or an unknown option.

@@ -216,6 +216,9 @@ class FileBackend:
             with _io_errors(f"delete {path}"), contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
+    def register_buffers(self, role: str, buffers: Sequence[Buffer]) -> None:
+        """Nothing to do: plain reads and writes need no registered memory."""
+
     def close(self) -> None:
         self._closed = True
 

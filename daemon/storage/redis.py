@@ -215,6 +215,9 @@ class RedisBackend:
         if names:
             self._call(f"delete ({len(names)} names)", lambda: self._client.unlink(*names))
 
+    def register_buffers(self, role: str, buffers: Sequence[Buffer]) -> None:
+        """Nothing to do: plain reads and writes need no registered memory."""
+
     def close(self) -> None:
         self._closed = True
         self._pool.disconnect()

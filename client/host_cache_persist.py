@@ -1,0 +1,161 @@
+"""A ``HostCache`` index that survives the engine: ``/kvswap.<ns>.hcindex``.
+
+The daemons keep their host pools when an engine process dies (an engine
+restart, ``docs/operations.md``), but which block holds which hash is known only
+to the scheduler's :class:`~kvswap.client.host_cache.HostCache`.  An engine that
+asks for it (``HostCache(..., persist=namespace)``) gets that index mirrored in
+the namespace's shared memory, so its successor starts with the blocks that are
+still good instead of an empty tier.
+
+The mirror is never ahead of the host pool, which is what makes it safe to
+trust after a crash at any instruction:
+
+* a host block is marked *not ready* in ``prepare_store``, before the engine can
+  send the evict that overwrites it, and
+* it is marked ready (key first, then the state byte) only in
+  ``complete_store(success=True)``, after its transfer was acknowledged.
+
+So a block marked ready holds the bytes of its key; a crash between a
+transfer's end and its bookkeeping loses that block from the mirror, never the
+other way round.  The pools themselves must be the ones the mirror describes:
+the header records the inode of every rank's host pool segment, and a successor
+that finds another pool (a relaunch, ``clear_caches(free_host=True)``, another
+layout) discards the mirror.  Keys are the 32-byte block hashes that
+``block_hashes()`` returns (a persisted index stores bytes, not Python objects).
+
+::
+
+    offset 0           64             64+8*tp      +32*N        +N           +8*N
+    +------------------+--------------+------------+------------+------------+
+    | header (8 x u64) | pool inodes  | keys       | state      | stamps     |
+    |                  | tp x u64     | N x 32 B   | N x u8     | N x u64    |
+    +------------------+--------------+------------+------------+------------+
+    header slots: magic, version, num_blocks, tp, next stamp, 3 reserved
+    state: 0 free or being written, 1 ready; stamps: completion order (oldest first)
+
+One writer (the scheduler thread of the engine that owns it); its successor
+reads it once, in the constructor, after the writer is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import posix_ipc
+
+from kvswap.client.naming import Names
+from kvswap.client.shm_region import ShmRegion
+from kvswap.client.signals import SignalSegment
+
+log = logging.getLogger("kvswap.client")
+
+MAGIC = int.from_bytes(b"KVSWAPHI", "little")
+LAYOUT_VERSION = 1
+HEADER_SLOTS = 8
+KEY_BYTES = 32
+_MAGIC, _VERSION, _NUM_BLOCKS, _TP, _NEXT_STAMP = range(5)
+
+
+def segment_size(num_blocks: int, tp: int) -> int:
+    return HEADER_SLOTS * 8 + tp * 8 + num_blocks * (KEY_BYTES + 1 + 8)
+
+
+def pool_inodes(names: Names, tp: int) -> list[int]:
+    """The inode of each rank's host pool segment (0 where it does not exist)."""
+    out = []
+    for rank in range(tp):
+        try:
+            out.append(os.stat(f"/dev/shm/{names.swap_segment(rank).lstrip('/')}").st_ino)
+        except FileNotFoundError:
+            out.append(0)
+    return out
+
+
+class PersistedIndex:
+    """The mirror of one HostCache's ready blocks (see the module docstring)."""
+
+    def __init__(self, namespace: str, num_blocks: int, run_root: str | None = None):
+        names = Names.of(namespace, run_root)
+        seg = SignalSegment.attach(names)
+        try:
+            tp = seg.tp_size
+        finally:
+            seg.close()
+        inodes = pool_inodes(names, tp)
+        if not all(inodes):
+            missing = [r for r, i in enumerate(inodes) if not i]
+            raise ValueError(f"HostCache persist: rank(s) {missing} of namespace {namespace!r} "
+                             f"have no host pool yet; create the HostCache after the workers "
+                             f"registered (TransferClient.wait_ready)")
+        self.name = names.host_cache_index
+        self._region = ShmRegion.create(self.name, segment_size(num_blocks, tp),
+                                        exclusive=False)
+        buf, n = self._region, num_blocks
+        self._header = buf.array(0, (HEADER_SLOTS,), np.uint64)
+        self._inodes = buf.array(HEADER_SLOTS * 8, (tp,), np.uint64)
+        off = HEADER_SLOTS * 8 + tp * 8
+        self._keys = buf.array(off, (n, KEY_BYTES), np.uint8)
+        self._state = buf.array(off + n * KEY_BYTES, (n,), np.uint8)
+        self._stamps = buf.array(off + n * (KEY_BYTES + 1), (n,), np.uint64)
+        self.recovered: list[tuple[bytes, int]] = []
+        why = self._mismatch(num_blocks, tp, inodes)
+        if why is None:
+            ready = np.flatnonzero(self._state == 1)
+            order = ready[np.argsort(self._stamps[ready], kind="stable")]
+            self.recovered = [(self._keys[i].tobytes(), int(i)) for i in order]
+            log.info("HostCache persist: %d ready block(s) recovered from %s",
+                     len(self.recovered), self.name)
+        else:
+            if self._header[_MAGIC] != 0:
+                log.warning("HostCache persist: %s discarded (%s)", self.name, why)
+            self._state[:] = 0
+            self._header[_NUM_BLOCKS] = num_blocks
+            self._header[_TP] = tp
+            self._header[_NEXT_STAMP] = 1
+            self._inodes[:] = inodes
+            self._header[_VERSION] = LAYOUT_VERSION
+            self._header[_MAGIC] = MAGIC
+
+    def _mismatch(self, num_blocks: int, tp: int, inodes: list[int]) -> str | None:
+        """Why the segment cannot be trusted, or None when it can."""
+        h = self._header
+        if h[_MAGIC] != MAGIC:
+            return "no index written yet"
+        if h[_VERSION] != LAYOUT_VERSION:
+            return f"layout version {int(h[_VERSION])}, not {LAYOUT_VERSION}"
+        if h[_NUM_BLOCKS] != num_blocks or h[_TP] != tp:
+            return (f"written for {int(h[_NUM_BLOCKS])} blocks at TP {int(h[_TP])}, not "
+                    f"{num_blocks} at TP {tp}")
+        if list(map(int, self._inodes)) != inodes:
+            return "the host pools are not the ones it describes (relaunched or freed)"
+        return None
+
+    # ------------------------------------------------------------------ writer
+    def unready(self, ids: list[int]) -> None:
+        """Blocks about to be written (prepare_store): not ready from now on."""
+        self._state[ids] = 0
+
+    def ready(self, keys: list[bytes], ids: list[int]) -> None:
+        """Blocks whose store completed: key and stamp first, then the state byte."""
+        if not ids:
+            return
+        self._keys[ids] = np.frombuffer(b"".join(keys), np.uint8).reshape(len(ids), KEY_BYTES)
+        first = int(self._header[_NEXT_STAMP])
+        self._stamps[ids] = np.arange(first, first + len(ids), dtype=np.uint64)
+        self._header[_NEXT_STAMP] = first + len(ids)
+        self._state[ids] = 1
+
+    def clear(self) -> None:
+        self._state[:] = 0
+
+    def close(self, unlink: bool = False) -> None:
+        """Unmap; ``unlink`` removes the segment (the engine will not come back)."""
+        self._header = self._inodes = self._keys = self._state = self._stamps = None
+        if unlink:
+            try:
+                self._region.unlink()
+            except posix_ipc.ExistentialError:
+                pass
+        self._region.close()

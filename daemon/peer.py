@@ -1,0 +1,268 @@
+"""Node-to-node transfer of host blocks (prefill -> decode) over the Mooncake Transfer Engine.
+
+One :class:`PeerRuntime` per rank daemon started with ``--peer-transfer``:
+
+* :class:`PeerEngine` wraps one ``mooncake.engine.TransferEngine`` in P2P
+  handshake mode (no metadata server) and registers the rank's host pool with
+  it once, at register (the pool is one shm mapping; every block of every
+  tensor lies inside it).
+* :class:`~kvswap.daemon.peer_receiver.PeerReceiver` holds the receives armed on
+  this rank and owns a ZMQ
+  ROUTER on ``tcp://--peer-host:*`` (the ticket's ``notify``): the path by
+  which a sender on another machine tells this daemon that its bytes landed.
+* :class:`PeerSender` pushes this rank's host blocks into the blocks a ticket
+  names on the peer rank, bracketed by that completion path.
+
+One push, rank r of the sender to rank r of the receiver::
+
+    sender daemon                                   receiver daemon
+      begin {nonce, rank, ticket}  ---------------->  receive armed (its blocks are held
+                                                      in the hazard table)? else parked
+                                   <----------------  ok (or a refusal: unknown nonce,
+                                                      bad HMAC, other ticket)
+      batch_transfer_sync_write (Transfer Engine, straight into the pool)
+      done {nonce}                 ---------------->  journal, answer peer_recv OK,
+                                   <----------------  release the blocks; ok
+      (a failed write: abort {nonce, message} -> peer_recv TRANSFER_FAILED)
+
+A receive is answered once (daemon/peer_receiver.py lists how).  A sender that
+began owns the blocks until then, so a block is never reported received unless
+the sender said every byte of it was written.
+
+The nonce is the ticket's bearer credential on the completion path (16 random
+bytes, known only to holders of the ticket); the ticket's HMAC, when the
+receiving namespace has a secret, is checked again at ``begin``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import msgpack
+import numpy as np
+import zmq
+
+from kvswap.client.errors import ErrorCode, KvswapError
+from kvswap.client.layout import TensorDesc, layout_hash
+from kvswap.client.ticket import RankEndpoint, Ticket
+from kvswap.daemon import crashpoints
+from kvswap.daemon.peer_receiver import OnEnd, PeerReceiver, packb
+
+log = logging.getLogger("kvswap.daemon.peer")
+
+
+
+class PeerFailed(KvswapError):
+    default_code = ErrorCode.TRANSFER_FAILED
+
+
+class PeerUnavailable(KvswapError):
+    """The Transfer Engine cannot be started here (start-up failure of the daemon)."""
+
+    default_code = ErrorCode.PEER_DISABLED
+
+
+# =========================================================================== engine
+
+
+class PeerEngine:
+    """One Transfer Engine in P2P handshake mode (no metadata server) and the regions
+    registered with it."""
+
+    def __init__(self, host: str, protocol: str):
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise PeerUnavailable(
+                f"--peer-transfer needs the Mooncake Transfer Engine, which cannot be imported "
+                f"({exc}): pip install 'kvswap[mooncake]' and, on Debian/Ubuntu, apt-get install "
+                f"libibverbs1") from None
+        self._te = TransferEngine()
+        rc = self._te.initialize(f"{host}:0", "P2PHANDSHAKE", protocol, "")
+        if rc != 0:
+            raise PeerUnavailable(f"the Transfer Engine did not start on {host} over {protocol} "
+                                  f"(initialize returned {rc}; see the daemon log)")
+        self.endpoint = f"{host}:{self._te.get_rpc_port()}"
+        self._regions: list[int] = []  # registered addresses
+
+    def register(self, addr: int, nbytes: int) -> None:
+        """Make ``nbytes`` at ``addr`` readable and writable by peers."""
+        rc = self._te.register_memory(addr, nbytes)
+        if rc != 0:
+            raise PeerUnavailable(f"the Transfer Engine refused to register {nbytes} bytes "
+                                  f"(register_memory returned {rc})")
+        self._regions.append(addr)
+
+    def unregister_all(self) -> None:
+        for addr in self._regions:
+            self._te.unregister_memory(addr)
+        self._regions = []
+
+    def write(self, target: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> None:
+        """Write local ``srcs`` to the peer's ``dsts`` (both registered); all or raise."""
+        rc = self._te.batch_transfer_sync_write(target, srcs, dsts, lengths)
+        if rc != 0:
+            raise PeerFailed(f"Transfer Engine write of {len(srcs)} span(s) to {target} failed "
+                             f"(batch_transfer_sync_write returned {rc})")
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """The registered host pool as a ticket describes it."""
+
+    bases: tuple[int, ...]  # address of block 0 of each tensor
+    block_bytes: tuple[int, ...]
+    layout: bytes
+    num_host_blocks: int
+
+
+def plan_spans(src_bases: Sequence[int], dst_bases: Sequence[int], block_bytes: Sequence[int],
+               src_ids: np.ndarray, dst_ids: np.ndarray) -> tuple[list[int], list[int], list[int]]:
+    """(source addresses, destination addresses, lengths) for copying block ``src_ids[k]``
+    to block ``dst_ids[k]`` of every tensor; runs that are consecutive on both sides
+    become one span (fewer, larger writes)."""
+    src = np.asarray(src_ids, dtype=np.int64)
+    dst = np.asarray(dst_ids, dtype=np.int64)
+    if src.size == 0:
+        return [], [], []
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    runs = np.diff(np.concatenate((starts, [src.size])))
+    srcs: list[int] = []
+    dsts: list[int] = []
+    lens: list[int] = []
+    for sb, db, bpb in zip(src_bases, dst_bases, block_bytes):
+        srcs += (sb + src[starts] * bpb).tolist()
+        dsts += (db + dst[starts] * bpb).tolist()
+        lens += (runs * bpb).tolist()
+    return srcs, dsts, lens
+
+
+# =========================================================================== sender
+
+
+class PeerSender:
+    """Pushes host blocks to a peer rank (called by the peer worker threads; each
+    thread keeps its own DEALER per receiver endpoint)."""
+
+    def __init__(self, ctx: zmq.Context, engine: PeerEngine, timeout_s: float):
+        self._ctx = ctx
+        self._engine = engine
+        self._timeout_s = timeout_s
+        self._local = threading.local()
+        self._sockets: list[zmq.Socket] = []  # every socket made, closed at close()
+        self._lock = threading.Lock()
+
+    def push(self, rank: int, ticket: Ticket, raw_ticket: bytes, pool: PoolView,
+             src_ids: np.ndarray) -> int:
+        """Write host blocks ``src_ids`` into the ticket's blocks on rank ``rank`` of the
+        receiver; return the bytes written.  Raises :class:`KvswapError` on any failure
+        (the receiver then fails its receive, by ``abort`` or its own timeout)."""
+        peer = ticket.ranks[rank]
+        srcs, dsts, lens = plan_spans(pool.bases, peer.bases, pool.block_bytes, src_ids,
+                                      np.asarray(ticket.block_ids, dtype=np.int64))
+        self._ask(peer.notify, {"k": "begin", "nonce": ticket.nonce, "rank": rank,
+                                "ticket": raw_ticket})
+        try:
+            self._engine.write(peer.te, srcs, dsts, lens)
+        except PeerFailed as exc:
+            self._tell(peer.notify, {"k": "abort", "nonce": ticket.nonce, "rank": rank,
+                                     "message": exc.message})
+            raise
+        crashpoints.hit("peer.written")
+        self._ask(peer.notify, {"k": "done", "nonce": ticket.nonce, "rank": rank})
+        return int(sum(lens))
+
+    def _socket(self, endpoint: str) -> zmq.Socket:
+        socks = getattr(self._local, "socks", None)
+        if socks is None:
+            socks = self._local.socks = {}
+        sock = socks.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            socks[endpoint] = sock
+            with self._lock:
+                self._sockets.append(sock)
+        return sock
+
+    def _drop(self, endpoint: str) -> None:
+        """Forget a socket whose peer did not answer: a late answer must not be read as
+        the answer to the next message."""
+        sock = self._local.socks.pop(endpoint)
+        with self._lock:
+            self._sockets.remove(sock)
+        sock.close(linger=0)
+
+    def _tell(self, endpoint: str, msg: dict) -> None:
+        """Best effort: the receiver's own timeout covers a lost abort."""
+        try:
+            self._ask(endpoint, msg)
+        except KvswapError as exc:
+            log.warning("abort to %s not acknowledged: %s", endpoint, exc)
+
+    def _ask(self, endpoint: str, msg: dict) -> None:
+        sock = self._socket(endpoint)
+        sock.send(packb(msg))
+        if not sock.poll(int(self._timeout_s * 1000)):
+            self._drop(endpoint)
+            raise PeerFailed(f"the receiver at {endpoint} did not answer {msg['k']} within "
+                             f"{self._timeout_s:.1f}s (--peer-timeout): it may have died; the "
+                             f"receive there fails", ErrorCode.TRANSFER_FAILED)
+        reply = msgpack.unpackb(sock.recv(), raw=False)
+        code = ErrorCode(reply.get("code", ErrorCode.PROTOCOL_ERROR))
+        if code != ErrorCode.OK:
+            raise KvswapError(f"the receiver refused {msg['k']}: {reply.get('message', '')}",
+                              code)
+
+    def close(self) -> None:
+        with self._lock:
+            socks, self._sockets = self._sockets, []
+        for s in socks:
+            s.close(linger=0)
+
+
+# =========================================================================== runtime
+
+
+class PeerRuntime:
+    """Everything ``--peer-transfer`` adds to one rank daemon."""
+
+    def __init__(self, rank: int, host: str, protocol: str, timeout_s: float, secret: bytes,
+                 on_end: OnEnd):
+        self.engine = PeerEngine(host, protocol)
+        self._ctx = zmq.Context(1)
+        self.receiver = PeerReceiver(self._ctx, host, rank, secret, timeout_s, on_end)
+        self.sender = PeerSender(self._ctx, self.engine, timeout_s)
+        self.pool: PoolView | None = None
+        log.info("peer transfer over %s: Transfer Engine %s, completions on %s", protocol,
+                 self.engine.endpoint, self.receiver.endpoint)
+
+    def attach(self, tensors: Sequence[TensorDesc], blocks: Sequence[np.ndarray],
+               region_addr: int, region_bytes: int) -> None:
+        """Register the host pool (one mapping holding every tensor's blocks)."""
+        self.engine.unregister_all()
+        self.engine.register(region_addr, region_bytes)
+        self.pool = PoolView(tuple(int(b.ctypes.data) for b in blocks),
+                             tuple(t.bytes_per_block for t in tensors), layout_hash(tensors),
+                             int(blocks[0].shape[0]))
+
+    def detach(self) -> None:
+        self.pool = None
+        self.engine.unregister_all()
+
+    def endpoint(self, epoch: int) -> RankEndpoint:
+        if self.pool is None:
+            raise KvswapError("no host pool is registered yet", ErrorCode.NOT_READY)
+        return RankEndpoint(self.engine.endpoint, self.receiver.endpoint, self.pool.bases,
+                            self.pool.block_bytes, epoch)
+
+    def close(self) -> None:
+        self.receiver.close()
+        self.sender.close()
+        self.detach()
+        self._ctx.term()

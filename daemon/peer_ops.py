@@ -1,0 +1,255 @@
+"""The peer ops of a rank daemon: ``peer_info``, ``peer_recv``, ``peer_send``.
+
+* ``peer_info`` (INLINE): this rank's Transfer Engine endpoint, completion
+  listener, pool base addresses, block bytes, layout fingerprint and epoch: the
+  ticket's rank entry (client/ticket.py).
+* ``peer_recv`` (TRANSFER, lane peer, held): checks the ticket against this
+  rank (its own entry, layout, TP size, expiry, HMAC when the namespace has a
+  secret, ids in range and unique), journals it and submits a task that
+  *writes* the named host blocks.  When the scheduler runs it (every earlier
+  task on those blocks has finished) the receive is armed and the task stays
+  RUNNING: the rank's own evicts, loads and backups touching the blocks wait
+  until it ends (daemon/peer_receiver.py says how it ends).
+* ``peer_send`` (TRANSFER, lane peer): checks the pairing again (the client did
+  in the caller's thread), journals it and submits a task that *reads* the named
+  host blocks, so it runs after the evicts that fill them; a peer worker pushes
+  them (daemon/peer.py).
+
+Without ``--peer-transfer`` every peer op is refused PEER_DISABLED, naming the flag.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvswap.client.auth import load_secret
+from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError
+from kvswap.client.protocol import Op, Request, decode_id_frame, first_duplicate
+from kvswap.client.signals import R
+from kvswap.client.ticket import Ticket, TicketRefused
+from kvswap.daemon.attachment import Attachment, AttachmentSlot
+from kvswap.daemon.exactly_once import ExactlyOnce
+from kvswap.daemon.jobs import Completion, Job, Origin
+from kvswap.daemon.peer import PeerRuntime, PoolView
+from kvswap.daemon.rank import RankContext
+from kvswap.daemon.scheduler import Task, TaskState
+from kvswap.daemon.swap_space import HostSwapSpace
+
+
+@dataclass(frozen=True)
+class _Recv:
+    nonce: bytes
+
+
+@dataclass(frozen=True)
+class _Send:
+    ticket: Ticket
+    raw: bytes
+
+
+_NO_DEVICE = np.empty(0, dtype=np.int64)
+
+
+class PeerOps:
+    """The peer ops of one rank (its Transfer Engine, receiver and sender when
+    ``--peer-transfer`` is given; refusals otherwise)."""
+
+    def __init__(self, rank: RankContext, slot: AttachmentSlot, exactly: ExactlyOnce):
+        """Starts the Transfer Engine with ``--peer-transfer``: a :class:`KvswapError`
+        here is a start-up failure."""
+        self._rank = rank
+        self._slot = slot
+        self._exactly = exactly
+        cfg = rank.cfg
+        # The namespace's secret signs tickets whether or not it has a tcp:// listener.
+        self._secret = load_secret(cfg.secret_file) if cfg.secret_file else b""
+        self._lock = threading.Lock()  # _work: I/O thread, peer workers, receiver thread
+        self._work: dict[Task, _Recv | _Send] = {}
+        self._runtime = (PeerRuntime(rank.index, cfg.peer_address, cfg.peer_transfer,
+                                     cfg.peer_timeout_s, self._secret, self._on_end)
+                         if cfg.peer_transfer else None)
+
+    # ------------------------------------------------------------------ control thread
+    def attach(self, swap: HostSwapSpace) -> None:
+        """Register the pool just attached with the Transfer Engine (register)."""
+        if self._runtime is not None:
+            base = swap.region.array(0, (swap.region.size,), np.uint8)
+            self._runtime.attach(swap.tensors, swap.blocks, int(base.ctypes.data),
+                                 swap.region.size)
+
+    def detach(self) -> None:
+        """The pool is released or kept unattached (clear): no peer may write it."""
+        if self._runtime is not None:
+            self._runtime.detach()
+
+    # ------------------------------------------------------------------ I/O thread
+    def info(self, job: Job, req: Request | None) -> dict:
+        runtime = self._enabled()
+        pool = self._pool(runtime)
+        return {**runtime.endpoint(self._rank.epoch).to_wire(), "layout": pool.layout.hex()}
+
+    def admit(self, job: Job, req: Request | None) -> None:
+        """Check, journal and queue a ``peer_recv`` or ``peer_send``; a refusal changes
+        nothing."""
+        assert req is not None
+        self._rank.check_epoch(req.header)
+        self._rank.check_serving()
+        origin = Origin.of(req.header)
+        if origin.resent and self._exactly.answer_resent(job, origin):
+            return
+        runtime = self._enabled()
+        pool = self._pool(runtime)
+        work: _Recv | _Send
+        if req.op is Op.PEER_RECV:
+            raw = bytes(memoryview(req.frames[0]))
+            ticket = self._own_ticket(runtime, raw, pool)
+            host = np.asarray(ticket.block_ids, dtype=np.int64)
+            self._check_ids(host, pool, unique=True)
+            runtime.receiver.expect(ticket.nonce, raw, ticket.expires_ns,
+                                    host.size * sum(pool.block_bytes))
+            try:
+                self._exactly.admit(job, origin, _NO_DEVICE, host)
+            except KvswapError:
+                runtime.receiver.forget(ticket.nonce)
+                raise
+            work = _Recv(ticket.nonce)
+        else:
+            raw = bytes(memoryview(req.frames[1]))
+            ticket = Ticket.from_bytes(raw)
+            host = decode_id_frame(req.frames[0], req.header["ids"], "host ids")
+            if host.shape[0] != req.header["n"]:
+                raise InvalidTask(f"peer_send: header says n={req.header['n']} but the frame "
+                                  f"holds {host.shape[0]} ids", ErrorCode.BAD_FIELD)
+            ticket.check_pairing(self._rank.cfg.tp_size, pool.layout, host.shape[0])
+            theirs = ticket.ranks[self._rank.index].block_bytes
+            if theirs != pool.block_bytes:
+                raise TicketRefused(f"block bytes differ on rank {self._rank.index}: this pool "
+                                    f"{list(pool.block_bytes)}, the ticket {list(theirs)}")
+            self._check_ids(host, pool, unique=False)
+            self._exactly.admit(job, origin, _NO_DEVICE, host)
+            work = _Send(ticket, raw)
+        att = self._slot.current
+        assert att is not None  # READY implies attached
+        self._rank.sig.add(R.INFLIGHT, 1)
+        with self._lock:  # a peer worker may take the task at once: it looks it up here
+            task = att.scheduler.submit(job.op, _NO_DEVICE, host,
+                                        priority=int(req.header.get("priority", 0)), ctx=job)
+            self._work[task] = work
+
+    def cancel(self, task: Task) -> bool:
+        """``cancel`` of a peer task.  One the scheduler dropped before it started:
+        forget its ticket (True).  A receive armed and held, no sender begun: it
+        ends CANCELLED (True).  Anything else runs on (False)."""
+        with self._lock:
+            work = self._work.get(task)
+        if not isinstance(work, _Recv) or self._runtime is None:
+            return False
+        if task.state is TaskState.CANCELLED:
+            with self._lock:
+                self._work.pop(task, None)
+            self._runtime.receiver.forget(work.nonce)
+            return True
+        return self._runtime.receiver.cancel(work.nonce)
+
+    def stop(self) -> None:
+        """The daemon stops: armed receives end SHUTTING_DOWN while the I/O loop still
+        answers them."""
+        if self._runtime is not None:
+            self._runtime.receiver.close()
+
+    # ------------------------------------------------------------------ peer workers
+    def execute(self, batch: list[Task], att: Attachment) -> list[Completion]:
+        """Run peer tasks (a peer worker; never raises).  A receive is armed and held:
+        no completion now, it ends through the receiver.  A send pushes its blocks."""
+        assert self._runtime is not None  # peer tasks are admitted only with a runtime
+        out = []
+        for task in batch:
+            with self._lock:
+                work = self._work.get(task)
+                if isinstance(work, _Send):
+                    del self._work[task]
+            t_start = time.perf_counter_ns()
+            if isinstance(work, _Recv):
+                self._runtime.receiver.arm(work.nonce, task)
+                continue
+            assert isinstance(work, _Send) and self._runtime.pool is not None
+            try:
+                nbytes = self._runtime.sender.push(self._rank.index, work.ticket, work.raw,
+                                                   self._runtime.pool, task.host_ids)
+            except KvswapError as exc:
+                out.append(Completion(task.ctx, exc.code, exc.message, t_start,
+                                      time.perf_counter_ns()))
+                continue
+            out.append(Completion(task.ctx, ErrorCode.OK, "", t_start, time.perf_counter_ns(),
+                                  nbytes, {"bytes": nbytes}))
+        return out
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """After the workers ended: stop the engine and the listener."""
+        if self._runtime is not None:
+            self._runtime.close()
+
+    # ------------------------------------------------------------------ internals
+    def _on_end(self, task: Task, code: ErrorCode, message: str, nbytes: int) -> None:
+        """A held receive ended (receiver thread, or the I/O thread for a cancel or a
+        stop): journal and answer it, then release its blocks."""
+        with self._lock:
+            self._work.pop(task, None)
+        fields = {"bytes": nbytes} if code == ErrorCode.OK else {}
+        self._exactly.settle(Completion.now(task.ctx, code, message, time.perf_counter_ns(),
+                                            fields))
+        att = self._slot.current
+        if att is not None:
+            att.scheduler.finish([task])
+
+    def _enabled(self) -> PeerRuntime:
+        if self._runtime is None:
+            raise KvswapError(f"rank {self._rank.index} was launched without peer transfer: "
+                              f"relaunch with kvswap launch --peer-transfer tcp (or rdma)",
+                              ErrorCode.PEER_DISABLED)
+        return self._runtime
+
+    def _pool(self, runtime: PeerRuntime) -> PoolView:
+        pool = runtime.pool
+        if pool is None:
+            raise KvswapError(f"rank {self._rank.index} has no host pool yet (no register)",
+                              ErrorCode.NOT_READY)
+        return pool
+
+    def _own_ticket(self, runtime: PeerRuntime, raw: bytes, pool: PoolView) -> Ticket:
+        """A ticket this rank may arm: signed when the namespace has a secret, for this
+        TP size, its entry naming this daemon, this layout, not expired."""
+        ticket = Ticket.from_bytes(raw)
+        if self._secret:
+            ticket.verify(self._secret)
+        index = self._rank.index
+        if ticket.tp_size != self._rank.cfg.tp_size:
+            raise TicketRefused(f"the ticket is for TP size {ticket.tp_size}, this namespace "
+                                f"has {self._rank.cfg.tp_size}")
+        mine = ticket.ranks[index]
+        own = runtime.endpoint(mine.epoch)
+        if (mine.te, mine.notify, mine.bases, mine.block_bytes) != \
+                (own.te, own.notify, own.bases, own.block_bytes):
+            raise TicketRefused(f"the ticket's rank {index} entry is not this daemon's "
+                                f"(endpoint {mine.te} vs {own.te}); issue it with "
+                                f"receive_into on this namespace")
+        if ticket.layout != pool.layout:
+            raise TicketRefused("the ticket's layout fingerprint is not this rank's")
+        ticket.check_expiry()
+        return ticket
+
+    @staticmethod
+    def _check_ids(host: np.ndarray, pool: PoolView, unique: bool) -> None:
+        if host.size and (int(host.min()) < 0 or int(host.max()) >= pool.num_host_blocks):
+            bad = int(host.min()) if int(host.min()) < 0 else int(host.max())
+            raise InvalidTask(f"host block id {bad} out of range [0, {pool.num_host_blocks})",
+                              ErrorCode.ID_OUT_OF_RANGE)
+        dup = first_duplicate(host) if unique else None
+        if dup is not None:
+            raise InvalidTask(f"peer_recv: destination host block {dup} named more than once",
+                              ErrorCode.DUPLICATE_DESTINATION)

@@ -1,0 +1,519 @@
+"""Storage backend on Mooncake Store (``mooncake-transfer-engine-non-cuda`` or a CUDA
+build; install ``kvswap[mooncake]``); URL scheme ``mooncake://`` (registered in
+:data:`kvswap.daemon.storage.BACKENDS`).
+
+Mooncake Store keeps objects in memory *segments* that its clients mount, with a
+master that places objects and maps names to replicas; engines share KV caches
+through it across nodes.  Each entry is one object.
+
+**Zero-copy.**  The daemon registers its rank's host swap pool (role ``"host"``)
+and its prefetch staging area (role ``"staging"``) with
+:meth:`MooncakeBackend.register_buffers`.  ``put`` then hands Mooncake each
+entry as a list of (address, length) parts, ``batch_put_from_multi_buffers``,
+which the transfer engine reads where they lie; only the 52-byte entry header,
+any part outside registered memory and any part under ``copy_below`` bytes are
+first copied into a registered *bounce* area owned by the backend, where an
+entry's copied parts lie side by side and travel as one.  (The TCP transport
+moves every part as a transfer of its own: for 8 parts of 32 KiB per entry,
+gathering them first was 1.4x faster here than sending them in place.)  ``get`` with registered
+``into`` buffers reads each entry in place (``batch_get_into``); without them it
+falls back to ``get_batch``, which returns new bytes objects.
+
+**Put-if-absent.**  A Mooncake put of an existing name keeps the stored object
+and reports success, so ``put`` asks ``batch_is_exist`` first and puts only the
+absent names: False for a name that already held an entry.  A name stored by
+someone else between the two calls reads as stored by this put (the two
+entries are of the same content key, so either is as good).
+
+**Failures and timeouts.**  The master or the segment holder gone (killed,
+unreachable) makes a call fail at once with an RPC error: StorageError.  A
+master that accepts connections but does not answer would block the calling
+thread inside the C++ client, so every call runs on the backend's own call
+thread and the caller waits at most ``timeout_s``: then StorageTimeout.  The
+stuck call keeps its buffers (bounce area, staging) until it returns, so until
+then every further call fails at once with StorageTimeout instead of queueing
+behind it or touching those buffers.  The client reconnects to a restarted
+master by itself (it pings the master every second and re-mounts its
+segment); a client whose first connection failed is set up again on the next
+call, after a quick TCP probe of the master so that a dead master costs
+``connect_timeout_s``, not the client's own retries (about 90 s).
+
+**Where entries live.**  With ``segment`` > 0 each rank mounts that much of its
+own memory into the store, and entries placed there vanish when the daemon
+stops; for entries that outlive the daemons, run a standalone store client
+(``mooncake_client``) that mounts the memory, and give the ranks
+``segment=0``.  The master evicts the least recently used objects when the
+segments fill up (its ``--eviction_high_watermark_ratio``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import queue
+import socket
+import threading
+import urllib.parse
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
+
+import numpy as np
+from mooncake.store import MooncakeDistributedStore
+
+from kvswap.daemon.storage import (
+    Buffer,
+    Stored,
+    StorageError,
+    StorageTimeout,
+    as_byte_views,
+    check_names,
+    parse_seconds,
+    url_options,
+)
+from kvswap.daemon.options import parse_size
+
+log = logging.getLogger("kvswap.daemon.storage")
+
+DEFAULT_PORT = 50051  # mooncake_master's default RPC port
+DEFAULT_METADATA_PORT = 8080  # its default --http_metadata_server_port
+PROTOCOLS = ("tcp", "rdma")
+
+# Return codes of the store client (negative = error).
+NO_ROOM = -200  # no segment can take the object: the store is full, or none is mounted
+RPC_FAIL = -900  # the master did not take the call (down, unreachable)
+OBJECT_NOT_FOUND = -704
+BUFFER_TOO_SMALL = -600  # batch_get_into: the object is larger than the buffer given
+
+T = TypeVar("T")
+
+
+def _parse_nonnegative_size(text: str) -> int:
+    return 0 if text.strip() == "0" else parse_size(text)
+
+
+def _parse_protocol(text: str) -> str:
+    if text not in PROTOCOLS:
+        raise ValueError(f"want one of {', '.join(PROTOCOLS)}")
+    return text
+
+
+def _parse_metadata(text: str) -> str:
+    if text != "P2PHANDSHAKE" and not text.startswith(("http://", "etcd://")):
+        raise ValueError("want http://HOST:PORT/metadata (the master's HTTP metadata "
+                         "server), etcd://HOST:PORT or P2PHANDSHAKE")
+    return text
+
+
+def _parse_hostname(text: str) -> str:
+    if not text or any(c.isspace() for c in text):
+        raise ValueError("want this machine's address as the other store clients reach it")
+    return text
+
+
+_OPTIONS: dict[str, Callable[[str], object]] = {
+    "metadata": _parse_metadata,
+    "protocol": _parse_protocol,
+    "device": str,
+    "local_hostname": _parse_hostname,
+    "segment": _parse_nonnegative_size,
+    "buffer": parse_size,
+    "timeout_s": parse_seconds,
+    "connect_timeout_s": parse_seconds,
+    "copy_below": _parse_nonnegative_size,
+}
+
+
+@dataclass(frozen=True)
+class MooncakeSettings:
+    """A ``mooncake://`` URL, parsed (docs/storage.md lists the options)."""
+
+    master_host: str
+    master_port: int
+    metadata: str
+    protocol: str = "tcp"
+    device: str = ""
+    local_hostname: str | None = None  # None: the address this host reaches the master from
+    segment: int = 1 << 30
+    buffer: int = 64 << 20
+    timeout_s: float = 5.0
+    connect_timeout_s: float = 2.0
+    copy_below: int = 64 << 10  # parts smaller than this are gathered into the bounce area
+
+    @property
+    def master(self) -> str:
+        return f"{self.master_host}:{self.master_port}"
+
+    @classmethod
+    def parse(cls, url: str) -> "MooncakeSettings":
+        parts = urllib.parse.urlsplit(url)
+        if not parts.hostname:
+            raise ValueError(f"storage URL {url!r}: no master host (want "
+                             "mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata)")
+        try:
+            port = parts.port or DEFAULT_PORT
+        except ValueError as exc:
+            raise ValueError(f"storage URL {url!r}: {exc}") from None
+        if parts.path not in ("", "/") or parts.username or parts.password:
+            raise ValueError(f"storage URL {url!r}: want mooncake://MASTER_HOST:PORT?options, "
+                             "without a path or user")
+        # each option is named as its field, and its parser returns the field's type
+        opts = url_options(url, parts.query, _OPTIONS)
+        metadata = f"http://{parts.hostname}:{DEFAULT_METADATA_PORT}/metadata"
+        return cls(master_host=parts.hostname, master_port=port,
+                   **{"metadata": metadata, **opts})  # type: ignore[arg-type]
+
+
+def _address(buf: Buffer) -> tuple[int, int]:
+    """(address, length) of a C-contiguous buffer, without keeping an export of it
+    (holding one would stop the owner from unmapping it)."""
+    view = as_byte_views([buf])[0]
+    try:
+        if view.nbytes == 0:
+            return 0, 0
+        return int(np.frombuffer(view, np.uint8).ctypes.data), view.nbytes
+    finally:
+        view.release()
+
+
+class _Regions:
+    """Registered address ranges by role, for "is this part in registered memory?"."""
+
+    def __init__(self) -> None:
+        self._by_role: dict[str, list[tuple[int, int]]] = {}
+        self._starts: list[int] = []
+        self._spans: list[tuple[int, int]] = []
+
+    def set(self, role: str, spans: list[tuple[int, int]]) -> None:
+        if spans:
+            self._by_role[role] = spans
+        else:
+            self._by_role.pop(role, None)
+        self._spans = sorted(s for spans_ in self._by_role.values() for s in spans_)
+        self._starts = [a for a, _ in self._spans]
+
+    def all(self) -> list[tuple[int, int]]:
+        return list(self._spans)
+
+    def covers(self, addr: int, size: int) -> bool:
+        i = bisect.bisect_right(self._starts, addr) - 1
+        return i >= 0 and addr + size <= self._spans[i][0] + self._spans[i][1]
+
+
+class _Bounce:
+    """A registered area of the backend's own, for entry headers and any part that is
+    not in registered memory; grows by doubling (re-registered when it does)."""
+
+    def __init__(self) -> None:
+        self.array = np.empty(0, np.uint8)
+
+    def reserve(self, nbytes: int) -> bool:
+        """Make room for ``nbytes``; True if the area moved (register it again)."""
+        if nbytes <= self.array.nbytes:
+            return False
+        self.array = np.empty(max(nbytes, 2 * self.array.nbytes, 64 << 10), np.uint8)
+        return True
+
+
+class _CallThread:
+    """One daemon thread that runs the store calls in order.  Not a ThreadPoolExecutor:
+    the interpreter joins those at exit, so a call stuck on a frozen master would
+    keep the process from exiting."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="kvswap-mooncake", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            fn, future = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # handed to the waiting caller
+                    future.set_exception(exc)
+
+    def submit(self, fn: Callable[[], T]) -> Future:
+        future: Future = Future()
+        self._queue.put((fn, future))
+        return future
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+
+class MooncakeBackend:
+    """Entries in a Mooncake Store; see the module docstring.
+
+    Thread-safe: calls are serialized on the backend's call thread (the daemon has
+    one storage thread per rank, so nothing waits on another caller there).
+    """
+
+    def __init__(self, settings: MooncakeSettings):
+        self.settings = settings
+        self.where = f"mooncake://{settings.master}"
+        self._lock = threading.Lock()
+        self._calls = _CallThread()
+        self._stuck: Future | None = None  # a call that outlived timeout_s, still running
+        self._store: MooncakeDistributedStore | None = None
+        self._regions = _Regions()
+        self._registered: list[tuple[int, int]] = []  # what the store client holds now
+        self._bounce = _Bounce()
+        self._dirty = False  # roles changed since the client last registered
+        self.bounced_bytes = 0  # copied into the bounce area by puts (headers, stray parts)
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str) -> "MooncakeBackend":
+        """``mooncake://MASTER_HOST[:PORT]?metadata=URL&...`` with the options of
+        docs/storage.md; connects on first use."""
+        return cls(MooncakeSettings.parse(url))
+
+    @classmethod
+    def check_url(cls, url: str) -> None:
+        """:meth:`from_url`'s ValueErrors, without connecting."""
+        MooncakeSettings.parse(url)
+
+    def __repr__(self) -> str:
+        return f"MooncakeBackend({self.where})"
+
+    # ------------------------------------------------------------ registration
+
+    def register_buffers(self, role: str, buffers: Sequence[Buffer]) -> None:
+        """Make ``buffers`` the registered memory of ``role`` (``"host"``, ``"staging"``),
+        replacing what that role had; ``[]`` releases the role's memory, which the
+        caller must do before it frees or unmaps it.  Parts and ``into`` buffers in
+        registered memory move without a copy."""
+        spans = [s for s in (_address(b) for b in buffers) if s[1]]
+        with self._lock:  # held by _call while a call runs: no transfer is using them now
+            self._regions.set(role, spans)
+            self._dirty = True
+            connected = self._store is not None
+        if connected:
+            # Registering talks to the metadata server (the master's, usually): on the
+            # call thread, within timeout_s.  If that fails, the next call registers
+            # first (and fails if it cannot), so no transfer uses stale registrations.
+            try:
+                self._call(f"register {role} buffers", lambda store: None)
+            except StorageError as exc:
+                log.warning("%s: registering %s buffers deferred to the next call: %s",
+                            self.where, role, exc)
+
+    def _sync_registration(self, store: MooncakeDistributedStore) -> None:
+        """Bring the client's registered ranges to the roles' ranges plus the bounce area."""
+        bounce = self._bounce.array
+        want = self._regions.all()
+        if bounce.nbytes:
+            want.append((int(bounce.ctypes.data), bounce.nbytes))
+        for addr, size in self._registered:
+            if (addr, size) not in want:
+                store.unregister_buffer(addr)
+        for addr, size in want:
+            if (addr, size) not in self._registered:
+                rc = store.register_buffer(addr, size)
+                if rc != 0:
+                    self._registered = [s for s in self._registered if s in want]
+                    raise StorageError(f"{self.where}: register_buffer of {size} bytes "
+                                       f"failed ({rc})")
+        self._registered = want
+        self._dirty = False
+
+    # ------------------------------------------------------------ calls
+
+    def _connect(self) -> MooncakeDistributedStore:
+        """The store client, set up on first use (or again after a failed setup)."""
+        if self._store is not None:
+            if self._dirty:
+                self._sync_registration(self._store)
+            return self._store
+        s = self.settings
+        try:
+            with socket.create_connection((s.master_host, s.master_port),
+                                          timeout=s.connect_timeout_s) as probe:
+                local = s.local_hostname or probe.getsockname()[0]
+        except OSError as exc:
+            raise StorageError(f"{self.where}: master unreachable: {exc}") from exc
+        store = MooncakeDistributedStore()
+        rc = store.setup(local, s.metadata, s.segment, s.buffer, s.protocol, s.device, s.master)
+        if rc != 0:
+            raise StorageError(f"{self.where}: store client setup failed ({rc}); check the "
+                               f"master address and metadata={s.metadata}")
+        self._store = store
+        self._registered = []
+        self._sync_registration(store)
+        return store
+
+    def _call(self, what: str, fn: Callable[[MooncakeDistributedStore], T]) -> T:
+        """Run ``fn(store)`` on the call thread, waiting at most ``timeout_s``."""
+        with self._lock:
+            if self._closed:
+                raise StorageError(f"{self.where}: backend is closed")
+            if self._stuck is not None:
+                if not self._stuck.done():
+                    raise StorageTimeout(f"{self.where}: {what} refused: an earlier call has "
+                                         f"not been answered by the master yet")
+                self._stuck = None
+            future = self._calls.submit(lambda: fn(self._connect()))
+            try:
+                return future.result(self.settings.timeout_s)
+            except FutureTimeout:
+                self._stuck = future
+                raise StorageTimeout(f"{self.where}: {what} got no answer within "
+                                     f"{self.settings.timeout_s:g} s") from None
+
+    def _failed(self, what: str, rc: int) -> StorageError:
+        why = {RPC_FAIL: " (master unreachable)",
+               NO_ROOM: " (no segment has room: the store is full, or no client with "
+                        "segment > 0 is connected)"}.get(rc, "")
+        return StorageError(f"{self.where}: {what} failed with code {rc}{why}")
+
+    # ------------------------------------------------------------ interface
+
+    def _check(self, names: Sequence[str]) -> None:
+        if self._closed:
+            raise StorageError(f"{self.where}: backend is closed")
+        check_names(names)
+
+    def _exist(self, store: MooncakeDistributedStore, names: Sequence[str]) -> list[bool]:
+        codes = store.batch_is_exist(list(names))
+        bad = next((c for c in codes if c not in (0, 1)), None)
+        if bad is not None or len(codes) != len(names):
+            raise self._failed(f"exists ({len(names)} names)", bad if bad is not None else -1)
+        return [c == 1 for c in codes]
+
+    def contains(self, names: Sequence[str]) -> list[bool]:
+        self._check(names)
+        if not names:
+            return []
+        return self._call(f"contains ({len(names)} names)", lambda st: self._exist(st, names))
+
+    def put(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        self._check([name for name, _ in items])
+        entries = [[_address(p) for p in as_byte_views(parts)] for _, parts in items]
+        if not items:
+            return []
+
+        def run(store: MooncakeDistributedStore) -> list[bool]:
+            absent = [i for i, there in enumerate(self._exist(store, [n for n, _ in items]))
+                      if not there]
+            if not absent:
+                return [False] * len(items)
+            ptrs, sizes = self._place(store, [items[i][1] for i in absent],
+                                      [entries[i] for i in absent])
+            codes = store.batch_put_from_multi_buffers([items[i][0] for i in absent],
+                                                       ptrs, sizes)
+            bad = next((c for c in codes if c != 0), None)
+            if bad is not None:
+                raise self._failed(f"put ({len(absent)} entries)", bad)
+            stored = [False] * len(items)
+            for i in absent:
+                stored[i] = True
+            return stored
+
+        return self._call(f"put ({len(items)} entries)", run)
+
+    def _place(self, store: MooncakeDistributedStore, parts: list[Sequence[Buffer]],
+               spans: list[list[tuple[int, int]]]) -> tuple[list[list[int]], list[list[int]]]:
+        """Per entry, the addresses and lengths to put: registered parts as they lie,
+        the others (and those under ``copy_below``) copied into the bounce area, where
+        an entry's copied parts lie side by side and go as one (call thread only)."""
+        small = self.settings.copy_below
+        outside = [(e, j) for e, entry in enumerate(spans) for j, (addr, size) in
+                   enumerate(entry)
+                   if size and (size < small or not self._regions.covers(addr, size))]
+        offsets = np.cumsum([0] + [spans[e][j][1] for e, j in outside])
+        if self._bounce.reserve(int(offsets[-1])):
+            self._sync_registration(store)
+        base = int(self._bounce.array.ctypes.data) if self._bounce.array.nbytes else 0
+        moved = {}
+        for (e, j), off in zip(outside, offsets[:-1].tolist()):
+            view = as_byte_views([parts[e][j]])[0]
+            self._bounce.array[off:off + view.nbytes] = np.frombuffer(view, np.uint8)
+            self.bounced_bytes += view.nbytes
+            moved[e, j] = base + off
+        ptrs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        for e, entry in enumerate(spans):
+            p: list[int] = []
+            n: list[int] = []
+            for j, (addr, size) in enumerate(entry):
+                addr = moved.get((e, j), addr)
+                if p and p[-1] + n[-1] == addr:  # adjacent parts go as one
+                    n[-1] += size
+                elif size:
+                    p.append(addr)
+                    n.append(size)
+            ptrs.append(p)
+            sizes.append(n)
+        return ptrs, sizes
+
+    def get(self, names: Sequence[str],
+            into: Sequence[memoryview] | None = None) -> list[Stored | None]:
+        self._check(names)
+        if not names:
+            return []
+        if into is not None and len(into) == len(names):
+            spans = [_address(b) for b in into]
+            if all(size and self._regions.covers(a, size) for a, size in spans):
+                return self._call(f"get ({len(names)} names)",
+                                  lambda st: self._get_into(st, names, into, spans))
+        return self._call(f"get ({len(names)} names)", lambda st: self._get_copies(st, names))
+
+    def _get_into(self, store: MooncakeDistributedStore, names: Sequence[str],
+                  into: Sequence[memoryview], spans: list[tuple[int, int]]) -> list[Stored | None]:
+        codes = store.batch_get_into(list(names), [a for a, _ in spans], [s for _, s in spans])
+        out: list[Stored | None] = []
+        for name, buf, code in zip(names, into, codes):
+            if code >= 0:
+                out.append(memoryview(buf)[:code])
+            elif code == OBJECT_NOT_FOUND:
+                out.append(None)
+            elif code == BUFFER_TOO_SMALL:  # longer than any entry of this layout: let
+                out.append(store.get(name))  # unpack_entry reject it, so it gets deleted
+            else:
+                raise self._failed(f"get of {name}", code)
+        return out
+
+    def _get_copies(self, store: MooncakeDistributedStore,
+                    names: Sequence[str]) -> list[Stored | None]:
+        values = store.get_batch(list(names))
+        empty = [i for i, v in enumerate(values) if not v]
+        # An entry is never empty (it has a header): b"" is a miss or a failed read.
+        if empty and any(self._exist(store, [names[i] for i in empty])):
+            raise self._failed(f"get ({len(names)} names)", -1)
+        return [v if v else None for v in values]
+
+    def delete(self, names: Sequence[str]) -> None:
+        self._check(names)
+        if not names:
+            return
+
+        def run(store: MooncakeDistributedStore) -> None:
+            # force: an entry is removed even while the master holds a read lease on it
+            codes = store.batch_remove(list(names), True)
+            bad = next((c for c in codes if c not in (0, OBJECT_NOT_FOUND)), None)
+            if bad is not None:
+                raise self._failed(f"delete ({len(names)} names)", bad)
+
+        self._call(f"delete ({len(names)} names)", run)
+
+    def close(self) -> None:
+        """Close the store client (its segment leaves the store) and the call thread.
+        Does not wait longer than ``timeout_s`` for a master that does not answer."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            store, stuck = self._store, self._stuck
+            self._store = None
+        if store is not None and stuck is None:
+            future = self._calls.submit(store.close)
+            try:
+                future.result(self.settings.timeout_s)
+            except FutureTimeout:
+                pass  # the process is usually about to exit; the master expires the client
+        self._calls.stop()

@@ -1,0 +1,294 @@
+"""Node-to-node transfer (prefill -> decode) with real Mooncake Transfer Engines.
+
+Two namespaces on loopback TCP stand for the two nodes: ``pre`` (prefill) and
+``dec`` (decode), each with its own daemons, host pools and Transfer Engines.
+Bytes are verified end to end: device -> host (evict) on ``pre``, host -> peer
+host (send_to / receive_into), host -> device (load) on ``dec``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from kvswap.client.errors import ErrorCode, KvswapError, RankRestarted, TransferFailed
+from kvswap.client.layout import demo_layout
+from kvswap.client.shm_region import ShmRegion
+from kvswap.client.signals import R, RankState, poll_until
+from kvswap.client.ticket import Ticket, TicketRefused
+from kvswap.client.transfer_client import TransferClient
+from kvswap.daemon.supervisor import SupervisorConfig
+
+pytest.importorskip("mooncake.engine", reason="the Mooncake Transfer Engine is not installed "
+                    "(pip install 'kvswap[mooncake]'; apt-get install libibverbs1)")
+
+from test_faults import Supervising  # noqa: E402
+
+LAYOUT = "layers=2,block_tokens=4,heads=2,head_dim=16,blocks=16"
+OTHER_LAYOUT = "layers=2,block_tokens=4,heads=2,head_dim=8,blocks=16"
+HOST = 32
+
+
+def _launch(namespaces, tp: int, layout: str = LAYOUT, **kw):
+    kw.setdefault("peer_transfer", "tcp")
+    return namespaces.launch(tp=tp, demo_caches=layout, host_blocks=HOST,
+                             supervision=SupervisorConfig(backoff_s=0.05, reset_after_s=0.2),
+                             **kw)
+
+
+class Device:
+    """The simulated device tensors of one rank, writable from the test."""
+
+    def __init__(self, launcher, rank: int, layout: str = LAYOUT):
+        self.regions = [ShmRegion.attach(launcher.names.device_segment(rank, t.name))
+                        for t in demo_layout(layout)]
+        self.arrays = [r.array(0, (t.shape[0], int(np.prod(t.shape[1:])) *
+                                   np.dtype(t.dtype).itemsize), np.uint8)
+                       for r, t in zip(self.regions, demo_layout(layout))]
+
+    def fill(self, blocks, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for a in self.arrays:
+            a[blocks] = rng.integers(0, 256, (len(blocks), a.shape[1]), dtype=np.uint8)
+
+    def read(self, blocks) -> list[np.ndarray]:
+        return [a[blocks].copy() for a in self.arrays]
+
+    def close(self) -> None:
+        self.arrays = []
+        for r in self.regions:
+            r.close()
+
+
+def _client(launcher, **kw) -> TransferClient:
+    c = TransferClient(launcher.names.namespace, launcher.cfg.tp,
+                       run_root=str(launcher.names.run_root), **kw)
+    c.wait_ready(timeout=30)
+    return c
+
+
+def _completed(launcher) -> list[int]:
+    return [int(launcher.seg.ranks[r, R.COMPLETED]) + int(launcher.seg.ranks[r, R.FAILED])
+            for r in range(launcher.cfg.tp)]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_round_trip_verifies_every_byte(namespaces, tp):
+    pre, dec = _launch(namespaces, tp), _launch(namespaces, tp)
+    a, b = _client(pre), _client(dec)
+    devs_a = [Device(pre, r) for r in range(tp)]
+    devs_b = [Device(dec, r) for r in range(tp)]
+    try:
+        src_dev, src_host = [3, 4, 5, 9, 0], [7, 8, 9, 20, 1]
+        dst_host, dst_dev = [30, 31, 2, 3, 11], [1, 2, 3, 4, 15]
+        for r, d in enumerate(devs_a):
+            d.fill(src_dev, seed=100 + r)
+        a.evict(src_dev, src_host).result(timeout=30)
+        ticket, received = b.receive_into(dst_host)
+        sent = a.send_to(ticket, src_host)
+        assert sent.result(timeout=30).nbytes == received.result(timeout=30).nbytes > 0
+        b.load(dst_host, dst_dev).result(timeout=30)
+        for r in range(tp):
+            for want, got in zip(devs_a[r].read(src_dev), devs_b[r].read(dst_dev)):
+                assert np.array_equal(want, got), f"rank {r}: bytes differ"
+
+        # the same ticket again: refused by the receiver, nothing written
+        again = a.send_to(ticket, src_host)
+        with pytest.raises(TransferFailed) as exc:
+            again.result(timeout=30)
+        assert exc.value.code == ErrorCode.TICKET_MISMATCH and "used once" in str(exc.value)
+
+        # two transfers in flight to the same receiver
+        for r, d in enumerate(devs_a):
+            d.fill([6, 7, 8, 10], seed=200 + r)
+        a.evict([6, 7, 8, 10], [10, 11, 12, 13]).result(timeout=30)
+        t1, rec1 = b.receive_into([4, 5])
+        t2, rec2 = b.receive_into([6, 7])
+        s2 = a.send_to(t2, [12, 13])
+        s1 = a.send_to(t1, [10, 11])
+        for f in (s1, s2, rec1, rec2):
+            f.result(timeout=30)
+        b.load([4, 5, 6, 7], [5, 6, 7, 8]).result(timeout=30)
+        for r in range(tp):
+            for want, got in zip(devs_a[r].read([6, 7, 8, 10]), devs_b[r].read([5, 6, 7, 8])):
+                assert np.array_equal(want, got), f"rank {r}: bytes differ (two in flight)"
+    finally:
+        for d in (*devs_a, *devs_b):
+            d.close()
+        a.close()
+        b.close()
+
+
+def test_refusals_are_immediate_and_send_nothing(namespaces, run_root):
+    secret_file = os.path.join(run_root, "secret")
+    with open(secret_file, "wb") as f:
+        f.write(b"0123456789abcdef-peer-secret")
+    os.chmod(secret_file, 0o600)
+    secret = open(secret_file, "rb").read()
+    pre = _launch(namespaces, 2)
+    dec = _launch(namespaces, 2, secret_file=secret_file)
+    dec1 = _launch(namespaces, 1)
+    dec_other = _launch(namespaces, 2, layout=OTHER_LAYOUT)
+    a = _client(pre)
+    clients = [_client(d) for d in (dec, dec1, dec_other)]
+    b, b1, b_other = clients
+    try:
+        before = _completed(pre)
+        ticket, received = b.receive_into([1, 2, 3], secret=secret)
+        cases = [
+            (lambda: a.send_to(b1.receive_into([1, 2, 3])[0], [1, 2, 3]), "TP size differs",
+             ErrorCode.TICKET_MISMATCH),
+            (lambda: a.send_to(b_other.receive_into([1, 2, 3])[0], [1, 2, 3]),
+             "block layout differs", ErrorCode.TICKET_MISMATCH),
+            (lambda: a.send_to(ticket, [1, 2]), "count differs", ErrorCode.LENGTH_MISMATCH),
+            (lambda: a.send_to(b"not a ticket", [1, 2, 3]), "not msgpack",
+             ErrorCode.TICKET_MISMATCH),
+        ]
+        tampered = Ticket.from_bytes(ticket)
+        tampered = Ticket(tampered.namespace, tampered.tp_size, tampered.layout, (4, 5, 6),
+                          tampered.expires_ns, tampered.nonce, tampered.ranks, tampered.mac)
+        cases.append((lambda: a.send_to(tampered.to_bytes(), [1, 2, 3], secret=secret),
+                      "bad HMAC", ErrorCode.AUTH_FAILED))
+        short, _ = b.receive_into([9], ttl_s=0.05, secret=secret)
+        assert poll_until(lambda: True if time.time_ns() > Ticket.from_bytes(short).expires_ns
+                          else None, time.monotonic() + 5)
+        cases.append((lambda: a.send_to(short, [1]), "expired", ErrorCode.TICKET_EXPIRED))
+        for call, words, code in cases:
+            with pytest.raises(TicketRefused) as exc:
+                call()
+            assert exc.value.code == code and words in exc.value.message, exc.value
+        assert _completed(pre) == before, "a refused send_to reached the sending daemons"
+
+        # without the secret the sender cannot tell; the receiving daemon refuses it
+        sent = a.send_to(tampered.to_bytes(), [1, 2, 3])
+        with pytest.raises(TransferFailed) as exc:
+            sent.result(timeout=30)
+        assert exc.value.code == ErrorCode.AUTH_FAILED
+        # an unsigned ticket for a namespace with a secret: refused at peer_recv
+        _, unsigned = b.receive_into([4])
+        with pytest.raises(TransferFailed) as exc:
+            unsigned.result(timeout=30)
+        assert exc.value.code == ErrorCode.AUTH_FAILED and "not signed" in str(exc.value)
+        cancel = received.cancel().result(timeout=30)
+        assert all(r.fields["cancelled"] for r in cancel.replies.values())
+        with pytest.raises(TransferFailed) as exc:
+            received.result(timeout=30)
+        assert exc.value.code == ErrorCode.CANCELLED
+    finally:
+        for c in (a, *clients):
+            c.close()
+
+
+def test_without_the_flag_both_calls_name_it(namespaces):
+    plain = _launch(namespaces, 1, peer_transfer=None)
+    c = _client(plain)
+    try:
+        with pytest.raises(KvswapError) as exc:
+            c.receive_into([1])
+        assert exc.value.code == ErrorCode.PEER_DISABLED and "--peer-transfer" in str(exc.value)
+        with pytest.raises(KvswapError) as exc:
+            c.send_to(b"\x80", [1])
+        assert exc.value.code == ErrorCode.TICKET_MISMATCH  # not a ticket: refused first
+    finally:
+        c.close()
+
+
+def test_receivers_own_tasks_wait_for_the_receive(namespaces):
+    """An evict into a block a receive holds runs after the peer write (hazard
+    ordering): the block ends with the evict's bytes, never the sender's."""
+    pre, dec = _launch(namespaces, 1), _launch(namespaces, 1)
+    a, b = _client(pre), _client(dec)
+    dev_a, dev_b = Device(pre, 0), Device(dec, 0)
+    try:
+        dev_a.fill([1, 2], seed=1)
+        dev_b.fill([5, 6], seed=2)
+        a.evict([1, 2], [1, 2]).result(timeout=30)
+        ticket, received = b.receive_into([10, 11])
+        evict = b.evict([5], [10])  # writes a block the receive holds
+        load = b.load([11], [7])  # reads one
+        b.ping().result(timeout=30)  # both admitted
+        stats = b.stats().result(timeout=30).replies[0].fields["counters"]
+        assert stats["queued"] == 3 and not evict.done() and not load.done()
+        a.send_to(ticket, [1, 2]).result(timeout=30)
+        received.result(timeout=30)
+        evict.result(timeout=30)
+        load.result(timeout=30)
+        b.load([10], [8]).result(timeout=30)
+        assert all(np.array_equal(x, y) for x, y in zip(dev_b.read([8]), dev_b.read([5])))
+        assert all(np.array_equal(x, y) for x, y in zip(dev_b.read([7]), dev_a.read([2])))
+
+        # cancelled: the held blocks are released, nothing was written
+        ticket, received = b.receive_into([12])
+        evict = b.evict([6], [12])
+        b.ping().result(timeout=30)
+        assert not evict.done()
+        received.cancel().result(timeout=30)
+        evict.result(timeout=30)
+        with pytest.raises(TransferFailed) as exc:
+            received.result(timeout=30)
+        assert exc.value.code == ErrorCode.CANCELLED
+        with pytest.raises(TransferFailed):  # the ticket died with its receive
+            a.send_to(ticket, [1]).result(timeout=30)
+    finally:
+        dev_a.close()
+        dev_b.close()
+        a.close()
+        b.close()
+
+
+def _wait_restarted(launcher, rank: int, epoch: int) -> None:
+    ok = poll_until(lambda: True if (int(launcher.seg.ranks[rank, R.EPOCH]) > epoch and
+                                     launcher.seg.state_of(rank) == RankState.READY) else None,
+                    time.monotonic() + 30)
+    assert ok, f"rank {rank} did not come back READY: {launcher.progress()}"
+
+
+@pytest.mark.parametrize("side", ["receiver", "sender"])
+def test_a_daemon_killed_mid_transfer_fails_both_sides(namespaces, monkeypatch, side):
+    """receiver killed once a sender began: ``sent`` fails within --peer-timeout and
+    ``received`` fails RankRestarted; sender killed after writing, before done: the
+    receive fails once the sender is silent for --peer-timeout, ``sent`` RankRestarted."""
+    point = "peer.begun" if side == "receiver" else "peer.written"
+    launched = {}
+    for role in ("pre", "dec"):
+        victim = (role == "dec") == (side == "receiver")
+        if victim:
+            monkeypatch.setenv("KVSWAP_CRASH_AT", f"{point}:1")
+        launched[role] = _launch(namespaces, 2, peer_timeout_s=3.0)
+        monkeypatch.delenv("KVSWAP_CRASH_AT", raising=False)
+    pre, dec = launched["pre"], launched["dec"]
+    victim = dec if side == "receiver" else pre
+    a, b = _client(pre), _client(dec)
+    try:
+        with Supervising(pre), Supervising(dec):
+            a.evict([1, 2], [1, 2]).result(timeout=30)
+            epochs = [int(victim.seg.ranks[r, R.EPOCH]) for r in range(2)]
+            ticket, received = b.receive_into([3, 4])
+            t0 = time.monotonic()
+            sent = a.send_to(ticket, [1, 2])
+            dead = []
+            assert poll_until(lambda: dead.extend(r for r in range(2) if int(
+                victim.seg.ranks[r, R.EPOCH]) > epochs[r]) or (True if dead else None),
+                time.monotonic() + 30), "no daemon was killed"
+            rank = dead[0]
+            _wait_restarted(victim, rank, epochs[rank])
+            with pytest.raises(TransferFailed) as sent_exc:
+                sent.result(timeout=30)
+            with pytest.raises(TransferFailed) as recv_exc:
+                received.result(timeout=30)
+            assert time.monotonic() - t0 < 30
+            if side == "receiver":
+                assert isinstance(recv_exc.value, RankRestarted), recv_exc.value
+                assert any(f.rank == rank and f.code == ErrorCode.TRANSFER_FAILED
+                           for f in sent_exc.value.failures), sent_exc.value
+            else:
+                assert isinstance(sent_exc.value, RankRestarted), sent_exc.value
+                assert any(f.rank == rank and f.code == ErrorCode.TRANSFER_FAILED
+                           and "silent" in f.message for f in recv_exc.value.failures), \
+                    recv_exc.value
+    finally:
+        a.close()
+        b.close()

@@ -1,0 +1,110 @@
+"""Peer-transfer tickets and span planning, without daemons (client/ticket.py,
+daemon/peer.py plan_spans)."""
+
+from __future__ import annotations
+
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvswap.client.errors import ErrorCode
+from kvswap.client.ticket import RankEndpoint, Ticket, TicketRefused
+from kvswap.daemon.config import DaemonConfig
+from kvswap.daemon.peer import plan_spans
+
+LAYOUT = bytes(range(32))
+SECRET = b"a-shared-secret-of-32-bytes-here"
+
+
+def _ranks(tp: int) -> list[RankEndpoint]:
+    return [RankEndpoint(f"10.0.0.{r}:1500{r}", f"tcp://10.0.0.{r}:2500{r}",
+                         (1 << 30, 2 << 30), (4096, 4096), 1) for r in range(tp)]
+
+
+def _ticket(tp: int = 2, ids=(3, 4, 5), ttl: float = 30.0, secret: bytes | None = None):
+    return Ticket.issue("decode", LAYOUT, ids, _ranks(tp), ttl, secret)
+
+
+def test_round_trip_keeps_every_field_and_the_mac():
+    t = _ticket(secret=SECRET)
+    back = Ticket.from_bytes(t.to_bytes())
+    assert back == t and back.mac
+    back.verify(SECRET)
+    body = msgpack.unpackb(t.to_bytes())
+    assert body["kind"] == "kvswap-peer-ticket" and body["ns"] == "decode" and body["tp"] == 2
+    assert body["ids"] == [3, 4, 5] and len(body["nonce"]) == 16
+    assert [r["te"] for r in body["ranks"]] == ["10.0.0.0:15000", "10.0.0.1:15001"]
+
+
+def test_two_tickets_for_the_same_blocks_differ_in_their_nonce():
+    assert _ticket().nonce != _ticket().nonce
+
+
+@pytest.mark.parametrize("tp,layout,count,code,words", [
+    (1, LAYOUT, 3, ErrorCode.TICKET_MISMATCH, "TP size differs: the sender has 1 ranks"),
+    (2, bytes(32), 3, ErrorCode.TICKET_MISMATCH, "block layout differs"),
+    (2, LAYOUT, 2, ErrorCode.LENGTH_MISMATCH, "the sender names 2 host blocks, the ticket 3"),
+])
+def test_each_pairing_difference_is_named(tp, layout, count, code, words):
+    with pytest.raises(TicketRefused) as exc:
+        _ticket().check_pairing(tp, layout, count)
+    assert exc.value.code == code and words in exc.value.message
+
+
+def test_a_pairing_ticket_passes_and_an_expired_one_is_refused():
+    t = _ticket(ttl=10)
+    t.check_pairing(2, LAYOUT, 3)
+    with pytest.raises(TicketRefused) as exc:
+        t.check_pairing(2, LAYOUT, 3, now_ns=t.expires_ns + 1)
+    assert exc.value.code == ErrorCode.TICKET_EXPIRED and "expired" in exc.value.message
+
+
+def test_an_altered_or_unsigned_ticket_fails_the_hmac():
+    t = _ticket(secret=SECRET)
+    altered = Ticket(t.namespace, t.tp_size, t.layout, (7, 8, 9), t.expires_ns, t.nonce,
+                     t.ranks, t.mac)
+    for bad, words in ((altered, "bad HMAC"), (_ticket(), "not signed")):
+        with pytest.raises(TicketRefused) as exc:
+            Ticket.from_bytes(bad.to_bytes()).verify(SECRET)
+        assert exc.value.code == ErrorCode.AUTH_FAILED and words in exc.value.message
+    with pytest.raises(TicketRefused):
+        t.verify(b"another-secret-of-enough-length!")
+
+
+@pytest.mark.parametrize("raw,words", [
+    (b"\xc1", "not msgpack"),
+    (msgpack.packb({"kind": "other"}), "not a kvswap peer ticket"),
+    (msgpack.packb([1, 2]), "not a kvswap peer ticket"),
+    ("text", "a ticket is bytes"),
+])
+def test_garbage_is_refused_with_a_clear_error(raw, words):
+    with pytest.raises(TicketRefused) as exc:
+        Ticket.from_bytes(raw)
+    assert exc.value.code == ErrorCode.TICKET_MISMATCH and words in exc.value.message
+
+
+def test_a_ticket_whose_rank_list_disagrees_with_its_tp_size_is_malformed():
+    body = msgpack.unpackb(_ticket().to_bytes())
+    body["tp"] = 3
+    with pytest.raises(TicketRefused, match="malformed"):
+        Ticket.from_bytes(msgpack.packb(body))
+
+
+def test_spans_merge_runs_consecutive_on_both_sides():
+    srcs, dsts, lens = plan_spans([1000, 50000], [9000, 90000], [10, 20],
+                                  np.array([0, 1, 2, 7, 8]), np.array([5, 6, 7, 1, 3]))
+    # runs: (0..2 -> 5..7), (7 -> 1), (8 -> 3): three spans per tensor
+    assert srcs == [1000, 1070, 1080, 50000, 50140, 50160]
+    assert dsts == [9050, 9010, 9030, 90100, 90020, 90060]
+    assert lens == [30, 10, 10, 60, 20, 20]
+    assert plan_spans([0], [0], [8], np.array([], dtype=np.int64),
+                      np.array([], dtype=np.int64)) == ([], [], [])
+
+
+def test_peer_host_defaults_to_the_tcp_host_else_loopback():
+    base = dict(namespace="n", rank=0, tp_size=1)
+    assert DaemonConfig(**base).peer_address == "127.0.0.1"
+    assert DaemonConfig(**base, listen_tcp="tcp://10.1.2.3:7000").peer_address == "10.1.2.3"
+    assert DaemonConfig(**base, listen_tcp="tcp://10.1.2.3:7000",
+                        peer_host="192.168.0.9").peer_address == "192.168.0.9"

@@ -26,7 +26,7 @@ from kvswap.client.layout import TensorDesc, validate_layout
 from kvswap.client.naming import Names, check_tensor_name
 from kvswap.client.protocol import Op, Reply, decode_reply, encode_request
 from kvswap.client.shm_region import ShmRegion
-from kvswap.client.signals import H, SignalSegment, now_ns
+from kvswap.client.signals import HeaderSlot, SignalSegment, now_ns
 
 
 @dataclass
@@ -78,7 +78,7 @@ class CacheWorker:
         ``--engine-timeout`` later)."""
         while not self._hb_stop.is_set():
             if self._registered.is_set():
-                self.seg.header[H.ENGINE_HEARTBEAT_NS] = now_ns()
+                self.seg.header[HeaderSlot.ENGINE_HEARTBEAT_NS] = now_ns()
             self._hb_stop.wait(self._hb_interval)
 
     # ------------------------------------------------------------------ host backend
@@ -155,7 +155,7 @@ class CacheWorker:
             fields["replace"] = True
         reply = self._request(Op.REGISTER, fields, timeout)
         self._layers = sorted({d.layer for d in descs})
-        self.seg.header[H.ENGINE_HEARTBEAT_NS] = now_ns()  # the first beat, at once
+        self.seg.header[HeaderSlot.ENGINE_HEARTBEAT_NS] = now_ns()  # the first beat, at once
         self._registered.set()
         return reply
 

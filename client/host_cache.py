@@ -73,7 +73,7 @@ from kvswap.client.host_cache_arc import ArcIndex
 from kvswap.client.host_cache_index import BlockIndex, LruIndex, show
 from kvswap.client.host_cache_persist import KEY_BYTES, PersistedIndex
 from kvswap.client.protocol import PrefetchOptions, as_block_ids
-from kvswap.client.signals import R
+from kvswap.client.signals import RankSlot
 
 if TYPE_CHECKING:
     from kvswap.client.host_cache_stats import HostCacheStatsWriter
@@ -574,7 +574,7 @@ def _check_pairs(client: "TransferClient", hashes: list, dev: np.ndarray) -> Non
     if len(hashes) != len(dev):
         raise ValueError(f"{len(hashes)} hashes but {len(dev)} device blocks; give one device "
                          f"block per hash")
-    limit = int(client.seg.ranks[:, R.NUM_DEVICE_BLOCKS].min())
+    limit = int(client.seg.ranks[:, RankSlot.NUM_DEVICE_BLOCKS].min())
     if limit and len(dev) and int(dev.max()) >= limit:
         raise KvswapError(f"device block {int(dev.max())} is out of range: the namespace's "
                           f"device caches have {limit} blocks", ErrorCode.ID_OUT_OF_RANGE)

@@ -22,7 +22,13 @@ import numpy as np
 import posix_ipc
 
 from kvswap.client.errors import ErrorCode, RankFailure, RankTimeout, TransferFailed
-from kvswap.client.signals import LAYER_SLOTS, L, LayerState, SignalSegment, wait_with_abort
+from kvswap.client.signals import (
+    LAYER_SLOTS,
+    LayerSlot,
+    LayerState,
+    SignalSegment,
+    wait_with_abort,
+)
 
 _WAKE_CHECK_S = 0.002
 
@@ -45,20 +51,20 @@ class LayerProgress:
             idx = self._next % LAYER_SLOTS
             self._next += 1
         e = self.table[idx]
-        e[L.TASK_ID] = 0
-        e[L.GENERATION] = int(e[L.GENERATION]) + 1
-        e[L.LAYERS_DONE] = 0
-        e[L.NUM_LAYERS] = num_layers
-        e[L.STATE] = LayerState.RUNNING
-        e[L.TASK_ID] = task_id
+        e[LayerSlot.TASK_ID] = 0
+        e[LayerSlot.GENERATION] = int(e[LayerSlot.GENERATION]) + 1
+        e[LayerSlot.LAYERS_DONE] = 0
+        e[LayerSlot.NUM_LAYERS] = num_layers
+        e[LayerSlot.STATE] = LayerState.RUNNING
+        e[LayerSlot.TASK_ID] = task_id
         return idx
 
     def advance(self, idx: int, layers_done: int) -> None:
-        self.table[idx, L.LAYERS_DONE] = layers_done
+        self.table[idx, LayerSlot.LAYERS_DONE] = layers_done
         self._notify()
 
     def finish(self, idx: int, ok: bool) -> None:
-        self.table[idx, L.STATE] = LayerState.DONE if ok else LayerState.FAILED
+        self.table[idx, LayerSlot.STATE] = LayerState.DONE if ok else LayerState.FAILED
         self._notify()
 
     def _notify(self) -> None:
@@ -68,14 +74,15 @@ class LayerProgress:
     # ------------------------------------------------------------------ reader (worker)
     def status(self, task_id: int) -> tuple[int, int, LayerState] | None:
         """(layers_done, num_layers, state) of ``task_id`` on this rank, or None."""
-        hits = np.flatnonzero(self.table[:, L.TASK_ID] == task_id)
+        hits = np.flatnonzero(self.table[:, LayerSlot.TASK_ID] == task_id)
         if hits.size == 0:
             return None
         # the newest claim of this task (a retried load claims a second entry)
-        e = self.table[int(hits[np.argmax(self.table[hits, L.GENERATION])])]
-        gen = int(e[L.GENERATION])
-        done, total, state = int(e[L.LAYERS_DONE]), int(e[L.NUM_LAYERS]), int(e[L.STATE])
-        if int(e[L.TASK_ID]) != task_id or int(e[L.GENERATION]) != gen:
+        e = self.table[int(hits[np.argmax(self.table[hits, LayerSlot.GENERATION])])]
+        gen = int(e[LayerSlot.GENERATION])
+        done, total = int(e[LayerSlot.LAYERS_DONE]), int(e[LayerSlot.NUM_LAYERS])
+        state = int(e[LayerSlot.STATE])
+        if int(e[LayerSlot.TASK_ID]) != task_id or int(e[LayerSlot.GENERATION]) != gen:
             return None  # reclaimed while we read it
         return done, total, LayerState(state)
 

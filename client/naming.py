@@ -99,6 +99,14 @@ class Names:
         """The rank's completion journal (``kvswap.daemon.journal``); outlives a crash."""
         return f"/{self.prefix}journal.r{rank}"
 
+    def ring_segment(self, rank: int) -> str:
+        """The rank's request and completion rings (``kvswap.client.rings``)."""
+        return f"/{self.prefix}ring.r{rank}"
+
+    def ring_bell(self, rank: int, ring: str) -> Path:
+        """The doorbell FIFO of one of the rank's rings (``ring`` is "rq" or "cq")."""
+        return self.run_dir / f"rank{rank}.{ring}.bell"
+
     def device_segment(self, rank: int, tensor: str) -> str:
         """Host-backend simulated GPU tensor of ``rank`` called ``tensor``."""
         return f"/{self.prefix}dev.r{rank}.{check_tensor_name(tensor)}"

@@ -25,7 +25,7 @@ from kvswap.client.protocol import (
     first_duplicate,
     request_header,
 )
-from kvswap.client.signals import R
+from kvswap.client.signals import RankSlot
 from kvswap.client.ticket import RankEndpoint, Ticket, TicketRefused
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def peer_infos(client: "TransferClient") -> tuple[list[RankEndpoint], bytes]:
     """Every rank's ticket entry and the namespace's layout fingerprint (blocking, up to
     the task timeout).  A namespace launched without ``--peer-transfer`` raises here,
     code PEER_DISABLED, with the flag named."""
-    epochs = tuple(int(e) for e in client.seg.ranks[:, R.EPOCH])
+    epochs = tuple(int(e) for e in client.seg.ranks[:, RankSlot.EPOCH])
     cached = _INFOS.get(client)
     if cached is not None and cached[0] == epochs:
         return cached[1]

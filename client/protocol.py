@@ -33,7 +33,7 @@ import numpy as np
 
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, ProtocolError
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 7)
+PROTOCOL_VERSION: tuple[int, int] = (1, 8)
 
 # Request and task ids are non-negative int64: they key shm tables (layer progress,
 # agreement, the completion journal) that hold them as 64-bit integers.
@@ -71,6 +71,7 @@ ID_DTYPES: dict[str, np.dtype] = {"<i4": np.dtype("<i4"), "<i8": np.dtype("<i8")
 # scheduler's hot path that is several times cheaper than numpy reductions.
 _SMALL = 16
 _I4_MAX = np.iinfo(np.int32).max
+_I8_MAX = np.iinfo(np.int64).max
 
 
 class Op(str, enum.Enum):
@@ -141,6 +142,11 @@ class OpSpec:
     # returns, until the daemon finishes it: a peer receive, whose bytes are written by
     # another node's daemon (daemon/peer.py).
     held: bool = False
+    # Every rank agrees on its outcome (a prefetch's count): the ranks must run such
+    # tasks in the same order, or two ranks can each wait in the agreement of a task
+    # the other has not started, until --storage-timeout.  So a rank runs them in
+    # admission order among themselves, which one client makes the same everywhere.
+    agreed: bool = False
 
     def __post_init__(self) -> None:
         if (self.kind is HandlerKind.TRANSFER) != (self.lane is not Lane.NONE):
@@ -185,7 +191,7 @@ OPS: dict[Op, OpSpec] = {
                lane=Lane.STORAGE, timed=True),
         OpSpec(Op.PREFETCH, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, {"count": int},
                {"ep": list, "priority": int, "mv": str, **_PREFETCH_OPTIONAL},
-               lane=Lane.STORAGE, urgent=True, timed=True),
+               lane=Lane.STORAGE, urgent=True, timed=True, agreed=True),
         OpSpec(Op.EXISTS, {"n": int}, 1, HandlerKind.TRANSFER, {"count": int},
                {"ep": list, "mv": str}, lane=Lane.STORAGE),
         OpSpec(Op.PAUSE, {}, 0, HandlerKind.INLINE, {}),
@@ -381,6 +387,11 @@ def as_block_ids(ids: Any, what: str) -> np.ndarray:
     int32 on the wire when every id fits, int64 otherwise.  Raises
     :class:`InvalidTask` (BAD_ID_DTYPE) for non-integer input.
     """
+    if type(ids) is list and 0 < len(ids) <= _SMALL and all(type(x) is int for x in ids):
+        # the scheduler's usual few-block task: checked on Python ints, one array made
+        lo, hi = min(ids), max(ids)
+        if lo >= 0 and hi <= _I8_MAX:
+            return np.array(ids, dtype="<i4" if hi <= _I4_MAX else "<i8")
     try:
         arr = np.asarray(ids)
     except (TypeError, ValueError) as exc:  # ragged nesting, objects numpy cannot read
@@ -405,7 +416,7 @@ def as_block_ids(ids: Any, what: str) -> np.ndarray:
     if lo < 0:
         raise InvalidTask(f"{what} holds negative block id {lo}", ErrorCode.ID_OUT_OF_RANGE)
     target = "<i4" if hi <= _I4_MAX else "<i8"
-    if hi > np.iinfo(np.int64).max:
+    if hi > _I8_MAX:
         raise InvalidTask(f"{what} holds block id {hi} beyond int64", ErrorCode.ID_OUT_OF_RANGE)
     # Always a private copy: the frame is sent zero-copy, after this call returns.
     return np.array(arr, dtype=target, copy=True, order="C")
@@ -823,7 +834,8 @@ class Reply:
     fields: dict = field(default_factory=dict)
 
 
-_REPLY_COMMON = ("v", "id", "rank", "ok", "code", "message", "tq", "tx")
+_REPLY_COMMON = frozenset(("v", "id", "rank", "ok", "code", "message", "tq", "tx"))
+_CODES = {int(c): c for c in ErrorCode}
 
 
 def encode_reply(req_id: int | None, rank: int, code: ErrorCode = ErrorCode.OK,
@@ -854,10 +866,9 @@ def decode_reply(raw: Any) -> Reply:
     if not isinstance(version, list) or not version or version[0] != PROTOCOL_VERSION[0]:
         raise ProtocolError(f"reply has unsupported protocol version {version!r}",
                             ErrorCode.VERSION_MISMATCH)
-    try:
-        code = ErrorCode(body.get("code", ErrorCode.PROTOCOL_ERROR))
-    except ValueError:
-        code = ErrorCode.PROTOCOL_ERROR
+    raw_code = body.get("code")
+    code = (_CODES.get(raw_code, ErrorCode.PROTOCOL_ERROR) if isinstance(raw_code, int)
+            else ErrorCode.PROTOCOL_ERROR)  # a dict, not an Enum call, per reply
     return Reply(
         id=body.get("id"),
         rank=body["rank"],

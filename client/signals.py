@@ -197,7 +197,7 @@ RANK_FIELDS: tuple[Slot, ...] = (
 
 
 @enum.unique
-class H(enum.IntEnum):
+class HeaderSlot(enum.IntEnum):
     """Slot index of each namespace header field."""
 
     MAGIC = 0
@@ -210,7 +210,7 @@ class H(enum.IntEnum):
 
 
 @enum.unique
-class R(enum.IntEnum):
+class RankSlot(enum.IntEnum):
     """Slot index of each rank field."""
 
     STATE = 0
@@ -309,7 +309,7 @@ class RankStats:
 
 
 @enum.unique
-class A(enum.IntEnum):
+class AgreeSlot(enum.IntEnum):
     """Slot index inside one agreement entry."""
 
     TASK_ID = 0  # written last when the entry is posted
@@ -326,7 +326,7 @@ class AgreeState(enum.IntEnum):
 
 
 @enum.unique
-class L(enum.IntEnum):
+class LayerSlot(enum.IntEnum):
     """Slot index inside one layer-progress entry."""
 
     TASK_ID = 0  # written last when an entry is claimed
@@ -361,7 +361,7 @@ class SignalSegment:
         self.readonly = readonly
         self.header = np.ndarray((HEADER_SLOTS,), dtype="<u8", buffer=buf,
                                  offset=HEADER_OFFSET)
-        self.tp_size = int(self.header[H.TP_SIZE])
+        self.tp_size = int(self.header[HeaderSlot.TP_SIZE])
         self.ranks = np.ndarray((self.tp_size, RANK_SLOTS), dtype="<u8", buffer=buf,
                                 offset=RANKS_OFFSET)
         self.layers = np.ndarray((self.tp_size, LAYER_SLOTS, LAYER_ENTRY_SLOTS), dtype="<u8",
@@ -391,12 +391,13 @@ class SignalSegment:
         finally:
             shm.close_fd()
         header = np.ndarray((HEADER_SLOTS,), dtype="<u8", buffer=buf)
-        header[H.TP_SIZE] = tp_size
-        header[H.LAYOUT_VERSION] = LAYOUT_VERSION
-        header[H.CREATED_UNIX_NS] = time.time_ns()
-        header[H.LAUNCHER_PID] = os.getpid()
-        header[H.KVCACHE_STATUS] = KvCacheStatus.NORMAL
-        header[H.MAGIC] = MAGIC  # written last: attachers treat the segment as valid from here
+        header[HeaderSlot.TP_SIZE] = tp_size
+        header[HeaderSlot.LAYOUT_VERSION] = LAYOUT_VERSION
+        header[HeaderSlot.CREATED_UNIX_NS] = time.time_ns()
+        header[HeaderSlot.LAUNCHER_PID] = os.getpid()
+        header[HeaderSlot.KVCACHE_STATUS] = KvCacheStatus.NORMAL
+        # written last: attachers treat the segment as valid from here
+        header[HeaderSlot.MAGIC] = MAGIC
         seg = cls(names, shm, buf, creator=True, readonly=False)
         del header
         return seg
@@ -419,8 +420,8 @@ class SignalSegment:
         finally:
             shm.close_fd()
         header = np.ndarray((HEADER_SLOTS,), dtype="<u8", buffer=buf)
-        magic, version, tp = int(header[H.MAGIC]), int(header[H.LAYOUT_VERSION]), int(
-            header[H.TP_SIZE])
+        magic, version = int(header[HeaderSlot.MAGIC]), int(header[HeaderSlot.LAYOUT_VERSION])
+        tp = int(header[HeaderSlot.TP_SIZE])
         del header
         if magic != MAGIC:
             buf.close()
@@ -471,12 +472,12 @@ class SignalSegment:
 
     def state_of(self, r: int) -> RankState:
         try:
-            return RankState(int(self.ranks[r, R.STATE]))
+            return RankState(int(self.ranks[r, RankSlot.STATE]))
         except ValueError:
             return RankState.FAILED
 
     def heartbeat_age_s(self, r: int, now: int | None = None) -> float | None:
-        hb = int(self.ranks[r, R.HEARTBEAT_NS])
+        hb = int(self.ranks[r, RankSlot.HEARTBEAT_NS])
         if hb == 0:
             return None
         return max(0, (now if now is not None else now_ns()) - hb) / 1e9
@@ -500,17 +501,17 @@ class SignalSegment:
         """Plain-data copy of the segment (for status and tests)."""
         now = now_ns()
         hdr = self.header
-        engine_hb = int(hdr[H.ENGINE_HEARTBEAT_NS])
+        engine_hb = int(hdr[HeaderSlot.ENGINE_HEARTBEAT_NS])
         ranks = [self.rank_snapshot(r, now) for r in range(self.tp_size)]
         try:
-            kv = KvCacheStatus(int(hdr[H.KVCACHE_STATUS])).name
+            kv = KvCacheStatus(int(hdr[HeaderSlot.KVCACHE_STATUS])).name
         except ValueError:
-            kv = str(int(hdr[H.KVCACHE_STATUS]))
+            kv = str(int(hdr[HeaderSlot.KVCACHE_STATUS]))
         return {
             "namespace": self.names.namespace,
             "tp_size": self.tp_size,
-            "launcher_pid": int(hdr[H.LAUNCHER_PID]),
-            "created_unix_ns": int(hdr[H.CREATED_UNIX_NS]),
+            "launcher_pid": int(hdr[HeaderSlot.LAUNCHER_PID]),
+            "created_unix_ns": int(hdr[HeaderSlot.CREATED_UNIX_NS]),
             "engine_heartbeat_age_s": (max(0, now - engine_hb) / 1e9) if engine_hb else None,
             "kvcache_status": kv,
             "ranks": ranks,
@@ -526,7 +527,7 @@ class RankSignals:
         self.rank = rank
         self.slots = slots
 
-    def __getitem__(self, field: R) -> int:
+    def __getitem__(self, field: RankSlot) -> int:
         return int(self.slots[field])
 
     def __setitem__(self, field: R, value: int) -> None:
@@ -662,7 +663,7 @@ class Barrier:
             sem.close()
 
     def _missing(self, target: int) -> list[int]:
-        col = self.seg.ranks[:, R.BARRIER_ARRIVALS]
+        col = self.seg.ranks[:, RankSlot.BARRIER_ARRIVALS]
         return [p for p in self.participants if int(col[p]) < target]
 
     def wait(self, timeout: float, what: str = "barrier",
@@ -672,8 +673,8 @@ class Barrier:
         barrier wins over a cancel seen in the same turn: the others may have passed
         it already, so this rank must not withdraw."""
         me = self.seg.rank(self.rank)
-        target = me[R.BARRIER_ARRIVALS] + 1
-        me[R.BARRIER_ARRIVALS] = target
+        target = me[RankSlot.BARRIER_ARRIVALS] + 1
+        me[RankSlot.BARRIER_ARRIVALS] = target
         for sem in self._others:
             sem.release()
         missing: list[int] = []  # as of the last check
@@ -703,7 +704,7 @@ class Barrier:
                                   f"after {timeout:.1f}s waiting for {detail}")
 
         def withdraw() -> None:
-            me[R.BARRIER_ARRIVALS] = target - 1
+            me[RankSlot.BARRIER_ARRIVALS] = target - 1
 
         return wait_with_abort(everyone_arrived, deadline=time.monotonic() + timeout,
                                wake=self._own, interval_s=self.ABORT_CHECK_S, abort=abort,

@@ -2,36 +2,35 @@
 
 Threads::
 
-    submitting threads (any number)          I/O thread "kvswap-client-io" (one)
+    submitting threads (any number)          reader thread "kvswap-client-io" (one)
     -------------------------------          -------------------------------------
-    check every argument; a bad one          owns, alone: the DEALER of every rank,
-      raises InvalidTask, nothing created      the receiving end of the wake PAIR,
-    futures + the message answering them       and the _Dispatcher: pending futures,
-      (an envelope)                            the deadline heap, open envelopes by
-    under _lock: outbox.extend(envelopes) -->  cs; per rank: epoch, frozen, backlog,
-                 wake (PAIR send)  -------->   replies owed (flow-control window)
-    return the future(s)                     loop: poll; watch ranks (freeze, queue
-                                               re-sends); take the outbox (assign
-                                               cs, send or queue); match replies;
-                                               expire deadlines; pump backlogs
+    check every argument; a bad one          poll: completion bells, the DEALERs'
+      raises InvalidTask, nothing created      ZMQ_FD, a wake pipe (no socket is
+    futures + the message answering them       touched outside the lock)
+      (an envelope)                          under _lock: watch ranks (freeze,
+    under _lock: the _Dispatcher assigns       queue re-sends); read every reply
+      cs and sends: encode, write to the       and match it; expire deadlines;
+      rank's ring or DEALER (Transport),       pump backlogs
+      or queue behind its backlog            then run the done-callbacks
+    return the future(s)
 
-Submitting threads only hand envelopes (futures + the message that answers
-them) to the I/O thread; nothing else in the client touches its state, so it
-needs no lock and no dict can change size under an iteration.  Futures
-complete on the I/O thread only, and so do their done-callbacks (a write-back
-load waiting for its evict is the dispatcher's state, not a callback).
+One lock covers the dispatcher (pending futures, the deadline heap, open
+envelopes by cs; per rank: epoch, frozen, backlog, replies owed) and every
+channel: the caller's thread sends its own message, with no hand-off on the way
+out, and one reader thread completes futures.  Done-callbacks run outside the
+lock, on the reader (a write-back load waiting for its evict is the
+dispatcher's state, not a callback).
 
-Every unit of the I/O thread's work (sending one envelope, handling one reply,
-watching one rank, expiring one future) is guarded: an unexpected exception is
-logged with its traceback and fails that unit's futures with INTERNAL_ERROR,
-and the thread carries on.  The deadline of every future still holds whatever
-happens.
+Every unit of work (sending one envelope, handling one reply, watching one
+rank, expiring one future) is guarded: an unexpected exception is logged with
+its traceback and fails that unit's futures with INTERNAL_ERROR, and the
+reader carries on.  The deadline of every future still holds whatever happens.
 
 Re-sends after a rank restart (docs/protocol.md section 10): every message
 carries the client's id ``cid`` and its sequence number ``cs`` (assigned when
-the I/O thread first sends it); when a restarted rank is READY again, whatever
-it owes is sent to it again in ``cs`` order, marked ``re``, so its daemon can
-answer from its completion journal instead of running a task twice.
+it is first sent); when a restarted rank is READY again, whatever it owes is
+sent to it again in ``cs`` order, marked ``re``, so its daemon can answer from
+its completion journal instead of running a task twice.
 """
 
 from __future__ import annotations
@@ -41,17 +40,16 @@ import heapq
 import itertools
 import logging
 import math
+import os
 import secrets
+import select
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
-import zmq
-
-from kvswap.client.auth import sign, verify
 from kvswap.client.errors import (
     ErrorCode,
     InvalidTask,
@@ -80,20 +78,22 @@ from kvswap.client.protocol import (
     check_int,
     check_model_version,
     check_priority,
-    decode_reply,
     request_header,
     storage_message,
     transfer_message,
     validate_storage,
     validate_transfer,
 )
-from kvswap.client.signals import R, RankState, SignalSegment, wait_ranks
+from kvswap.client.signals import RankSlot, RankState, SignalSegment, wait_ranks
+from kvswap.client.transport import Channel, PathChoice, Transport
 
 log = logging.getLogger("kvswap.client")
 
-_WATCH_MS = 20  # how often the I/O thread looks for restarted ranks while work is pending
-_CLOSE_JOIN_S = 10.0  # close() waits this long for the I/O thread, never longer
+_WATCH_MS = 20  # how often the reader looks for restarted ranks while work is pending
+_LINGER_S = 1.0  # ... and for this long after the last reply (a post then needs no wake-up)
+_CLOSE_JOIN_S = 10.0  # close() waits this long for the reader thread, never longer
 _POLICIES = ("write_through", "write_back")
+_NO_BOUND = int(np.iinfo(np.int64).max)  # block limits before every rank published them
 # Flow control (see _Dispatcher): replies a rank may owe this client at once, and
 # the tasks of one batch message (small enough that a window holds a few).
 WINDOW = 384
@@ -153,6 +153,30 @@ class TaskResult:
         return min(int(r.fields.get("count", 0)) for r in self.replies.values())
 
 
+_pending_callbacks = threading.local()  # .calls: done-callbacks held until the lock is free
+
+
+class _CallbacksDeferred:
+    """``with _CallbacksDeferred():`` -- done-callbacks of futures completed inside
+    run on leaving, in completion order, so the client's lock is never held while
+    user code runs.  (A class, not a generator: it is on every call's path.)"""
+
+    __slots__ = ("_outer", "_calls")
+
+    def __enter__(self) -> None:
+        self._outer = getattr(_pending_callbacks, "calls", None)
+        self._calls: list[tuple[Callable[["TransferFuture"], None], "TransferFuture"]] = []
+        _pending_callbacks.calls = self._calls
+
+    def __exit__(self, *exc: object) -> None:
+        _pending_callbacks.calls = self._outer
+        for cb, fut in self._calls:
+            try:
+                cb(fut)
+            except Exception:  # a user callback must not kill the reader
+                log.exception("done-callback of task %d raised", fut.task_id)
+
+
 class TransferFuture:
     """Completes when every rank of the task has answered (or at its deadline)."""
 
@@ -163,17 +187,21 @@ class TransferFuture:
         self.backup: TransferFuture | None = None  # evict(..., backup_keys=...)
         self.op = op
         self.ranks = tuple(ranks)
-        self.deadline = deadline  # moved by the I/O thread only (a write-back load's sending)
+        self.deadline = deadline  # moved under the client's lock (a write-back load's sending)
         self.submitted = time.perf_counter()
         self.completed: float | None = None
         self._replies: dict[int, Reply] = {}
-        self._event = threading.Event()
+        self._done = False
+        # Held until the future completes: a waiter acquires it (with a timeout) and
+        # passes it on.  Two plain locks cost a fraction of an Event (a Condition).
+        self._gate = threading.Lock()
+        self._gate.acquire()
         self._lock = threading.Lock()
         self._error: KvswapError | None = None
         self._result: TaskResult | None = None
         self._callbacks: list[Callable[["TransferFuture"], None]] = []
 
-    # -- called by the I/O thread -------------------------------------------------
+    # -- called under the client's lock --------------------------------------------
     def _on_reply(self, reply: Reply) -> bool:
         """Record one rank's reply; True once the future is complete."""
         if reply.rank not in self.ranks or reply.rank in self._replies:
@@ -199,21 +227,26 @@ class TransferFuture:
 
     def _finish(self, result: TaskResult | None = None, error: KvswapError | None = None) -> None:
         with self._lock:
-            if self._event.is_set():
+            if self._done:
                 return
             self._result, self._error = result, error
             self.completed = time.perf_counter()
-            self._event.set()
+            self._done = True
             callbacks, self._callbacks = self._callbacks, []
+        self._gate.release()
+        deferred = getattr(_pending_callbacks, "calls", None)
+        if deferred is not None:  # under the client's lock: run once it is released
+            deferred.extend((cb, self) for cb in callbacks)
+            return
         for cb in callbacks:
             try:
                 cb(self)
-            except Exception:  # a user callback must not kill the I/O thread
+            except Exception:  # a user callback must not kill the reader
                 log.exception("done-callback of task %d raised", self.task_id)
 
     # -- public ------------------------------------------------------------------
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def cancel(self) -> "TransferFuture":
         """Ask every rank to drop this task if it has not started there.
@@ -237,7 +270,7 @@ class TransferFuture:
 
     def add_done_callback(self, fn: Callable[["TransferFuture"], None]) -> None:
         with self._lock:
-            if not self._event.is_set():
+            if not self._done:
                 self._callbacks.append(fn)
                 return
         fn(self)
@@ -246,20 +279,29 @@ class TransferFuture:
         """Wait for every rank; raise :class:`TransferFailed` naming failing ranks and
         codes, or :class:`RankTimeout` naming the ranks that have not answered.
 
-        ``timeout=None`` waits until a second past the deadline (the I/O thread fails
+        ``timeout=None`` waits until a second past the deadline (the reader fails
         the future at the deadline itself; the deadline of a write-back load moves
         to its sending)."""
         if timeout is None:
             t0 = time.monotonic()
-            while not self._event.wait(max(0.0, self.deadline - time.monotonic()) + 1.0):
+            while not self._wait(max(0.0, self.deadline - time.monotonic()) + 1.0):
                 if time.monotonic() >= self.deadline + 1.0:
                     self._raise_timeout(time.monotonic() - t0)
-        elif not self._event.wait(_seconds(timeout, "timeout", positive=False)):
+        elif not self._wait(_seconds(timeout, "timeout", positive=False)):
             self._raise_timeout(timeout)
         if self._error is not None:
             raise self._error
         assert self._result is not None
         return self._result
+
+    def _wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for completion; True once complete."""
+        if self._done:
+            return True
+        if not self._gate.acquire(timeout=min(timeout, threading.TIMEOUT_MAX)):
+            return self._done
+        self._gate.release()  # for the next waiter
+        return True
 
     def _raise_timeout(self, waited: float) -> None:
         missing = ", ".join(map(str, self.missing_ranks()))
@@ -278,9 +320,16 @@ class TransferFuture:
         return None if self.completed is None else self.completed - self.submitted
 
 
-# ====================================================================== I/O thread state
+# ====================================================================== dispatcher state
 
-Transmit = Callable[[list, Sequence[int]], None]  # (frames, ranks): send to each rank
+class Wire(Protocol):
+    """How the dispatcher reaches a rank (:class:`~kvswap.client.transport.Transport`)."""
+
+    def channel(self, frames: Sequence[object], rank: int) -> Channel: ...
+
+    def send(self, frames: list, rank: int, channel: Channel) -> bool: ...
+
+    def reconnect(self, rank: int) -> None: ...
 
 
 @dataclass(eq=False)
@@ -297,6 +346,7 @@ class _Envelope:
     after: TransferFuture | None = None  # write_back: sent once this evict succeeded
     cs: int = 0  # the client sequence number, assigned at the first send
     sent: set[int] = field(default_factory=set)  # ranks whose current daemon got it
+    via: dict[int, Channel] = field(default_factory=dict)  # rank -> channel it went on
     first_ep: dict[int, int] = field(default_factory=dict)  # rank -> epoch of its first send
     open: int = 0  # futures not complete yet
 
@@ -306,22 +356,29 @@ class _Envelope:
 
 
 class _Dispatcher:
-    """Everything the I/O thread owns, apart from its sockets.
+    """The client's state, apart from its channels.
 
-    Only the I/O thread calls it, so it takes no lock; ``transmit(frames, ranks)``
-    is its only way out.  Every envelope with a future still open stays in
-    ``_open``, keyed and ordered by ``cs``; each rank has a FIFO ``_backlog`` of
-    envelopes not sent to it yet.
+    Every call is made under the client's lock (submitting threads post, the
+    reader thread does the rest); ``wire`` is its only way out.  Every envelope
+    with a future still open stays in ``_open``, keyed and ordered by ``cs``;
+    each rank has a FIFO ``_backlog`` of envelopes not sent to it yet.
 
-    * An envelope gets its ``cs`` when the I/O thread takes it from the outbox,
-      and goes to each rank at once or, if that rank's backlog is not empty,
-      behind it: every rank receives the client's messages in ``cs`` order.
+    * An envelope gets its ``cs`` when it is posted, and goes to each rank at
+      once or, if that rank's backlog is not empty, behind it: every rank
+      receives the client's messages in ``cs`` order.
     * Flow control: a rank is sent a message only while the replies it owes
       (one per future of each message sent to it and not answered yet) stay
       within :data:`WINDOW`, or when it owes none.  A daemon's ROUTER queues at
       most 1000 replies per peer and silently drops the rest; with at most
       WINDOW outstanding (plus ZMQ's lag in counting what was read, under 500)
       none is ever dropped, however slowly this thread reads.
+    * Two channels, one order: a rank's messages go over its shared-memory ring
+      or its ZeroMQ socket (``wire.channel``), and the daemon reads each in order
+      but not the two against each other.  So a rank is sent on one channel only
+      while the other owes it no reply: a small message follows the channel that
+      still owes replies, a message the ring cannot carry waits in the backlog
+      until the ring owes none, and a full ring keeps the message in the backlog
+      until the daemon rings back.
     * A rank whose epoch changes is *frozen*: its backlog is not sent.  When it
       is READY again, every envelope its old daemon was sent and still owes an
       answer for is put in front of its backlog, in ``cs`` order, to go marked
@@ -333,16 +390,16 @@ class _Dispatcher:
       the rank has not answered (same id, same ``cs``).
     """
 
-    def __init__(self, tp_size: int, cid: int, transmit: Transmit, task_timeout: float,
+    def __init__(self, tp_size: int, cid: int, wire: Wire, task_timeout: float,
                  rank_epoch: Callable[[int], int], rank_ready: Callable[[int], bool],
                  describe: Callable[[int], str], signed: bool = False):
         """``rank_epoch`` / ``rank_ready`` / ``describe`` read a rank's slots of the
-        signal segment; ``transmit(frames, ranks)`` sends."""
+        signal segment; ``wire`` sends."""
         self.tp_size = tp_size
         self.cid = cid
         self.task_timeout = task_timeout
         self.retried = 0  # messages re-sent to a restarted rank
-        self._transmit = transmit
+        self._wire = wire
         self._rank_epoch = rank_epoch
         self._rank_ready = rank_ready
         self._describe = describe
@@ -351,6 +408,7 @@ class _Dispatcher:
         self._epochs = [rank_epoch(r) for r in range(tp_size)]  # as we last addressed them
         self._frozen: set[int] = set()  # restarted ranks not READY again
         self._owing = [0] * tp_size  # replies each rank owes on what it was sent
+        self._ring_owing = [0] * tp_size  # ... of them, on what went over its ring
         self._backlog: list[collections.deque[tuple[_Envelope, bool]]] = [
             collections.deque() for _ in range(tp_size)]  # (envelope, re) not sent yet
         self._pending: dict[int, tuple[TransferFuture, _Envelope]] = {}  # task id ->
@@ -366,7 +424,11 @@ class _Dispatcher:
         return bool(self._pending or self._frozen or self._waiting)
 
     def next_deadline(self) -> float | None:
-        return self._deadlines[0][0] if self._deadlines else None
+        """The earliest deadline of a future still open (completed ones are dropped)."""
+        heap = self._deadlines
+        while heap and heap[0][1] not in self._pending:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
 
     # ------------------------------------------------------------------ entry points
     def post(self, env: _Envelope) -> None:
@@ -414,9 +476,11 @@ class _Dispatcher:
                         break
                     q.popleft()
                     if owed is not None:
+                        if self._send(env, owed[0], owed[1], [r], re):
+                            q.appendleft((env, re))  # not now: the ring is full, or in use
+                            break
                         if re:
                             self.retried += 1
-                        self._send(env, owed[0], owed[1], [r], re)
                 except Exception as exc:
                     if q and q[0][0] is env:
                         q.popleft()
@@ -456,13 +520,13 @@ class _Dispatcher:
 
     def internal_error(self, where: str, exc: BaseException,
                        futures: Iterable[TransferFuture]) -> None:
-        """A bug on the I/O thread costs the futures it touched, never the thread."""
+        """A bug costs the futures it touched, never the client."""
         hit = [f for f in futures if not f.done()]
-        log.error("client I/O thread: unexpected error while %s; failing %d task(s) with "
+        log.error("client: unexpected error while %s; failing %d task(s) with "
                   "INTERNAL_ERROR", where, len(hit), exc_info=exc)
         for f in hit:
             self._complete(f, error=KvswapError(
-                f"task {f.task_id} ({f.op.value}): the client's I/O thread failed while "
+                f"task {f.task_id} ({f.op.value}): the client failed while "
                 f"{where}: {type(exc).__name__}: {exc} (the client log has the traceback)",
                 ErrorCode.INTERNAL_ERROR))
 
@@ -502,15 +566,17 @@ class _Dispatcher:
             else:
                 now.append(r)
         if now:
-            self._send(env, env.message, cost, now, re=False)
+            for r in self._send(env, env.message, cost, now, re=False):
+                self._backlog[r].append((env, False))
 
     def _room(self, r: int, cost: int) -> bool:
         return r not in self._frozen and (self._owing[r] == 0
                                           or self._owing[r] + cost <= WINDOW)
 
     def _send(self, env: _Envelope, message: Message, cost: int, ranks: Sequence[int],
-              re: bool) -> None:
-        """Send ``message`` (answering ``cost`` futures of ``env``) to ``ranks``."""
+              re: bool) -> list[int]:
+        """Send ``message`` (answering ``cost`` futures of ``env``) to ``ranks``; returns
+        the ranks it could not go to now (their backlog keeps it)."""
         epochs = self._epochs if message.epoch_stamped else None
         ts = time.time_ns() if self._signed else None  # a re-send is a new message, not a replay
         try:
@@ -519,13 +585,34 @@ class _Dispatcher:
             for f in env.futures:
                 self._complete(f, error=TransferFailed(f.task_id, f.op.value, [
                     RankFailure(r, exc.code, exc.message) for r in ranks]))
-            return
-        self._transmit(frames, ranks)
+            return []
+        later = []
         for r in ranks:
+            channel = self._channel(frames, r)
+            if channel is None or not self._wire.send(frames, r, channel):
+                later.append(r)
+                continue
             env.sent.add(r)
+            env.via[r] = channel
             self._owing[r] += cost
+            if channel is Channel.RING:
+                self._ring_owing[r] += cost
             if message.epoch_stamped:
                 env.first_ep.setdefault(r, self._epochs[r])
+        return later
+
+    def _channel(self, frames: list, r: int) -> Channel | None:
+        """The channel rank ``r`` may be sent ``frames`` on now, or None (class doc)."""
+        wanted = self._wire.channel(frames, r)
+        if wanted is Channel.RING:
+            return Channel.ZMQ if self._owing[r] > self._ring_owing[r] else Channel.RING
+        return None if self._ring_owing[r] else Channel.ZMQ
+
+    def _release(self, env: _Envelope, r: int) -> None:
+        """Rank ``r`` owes one reply less on ``env``."""
+        self._owing[r] -= 1
+        if env.via.get(r) is Channel.RING:
+            self._ring_owing[r] -= 1
 
     def _on_reply(self, reply: Reply) -> None:
         if reply.code == ErrorCode.RANK_RESTARTED:
@@ -560,7 +647,7 @@ class _Dispatcher:
     def _record(self, fut: TransferFuture, env: _Envelope, reply: Reply) -> None:
         r = reply.rank
         if r in fut.ranks and r not in fut._replies and r in env.sent:
-            self._owing[r] -= 1
+            self._release(env, r)
         if fut._on_reply(reply):
             self._settle(fut, env)
 
@@ -578,10 +665,13 @@ class _Dispatcher:
         self._epochs[r] = epoch
         self._frozen.discard(r)
         self._owing[r] = 0  # the old daemon's answers are not coming
+        self._ring_owing[r] = 0
+        self._wire.reconnect(r)  # its rings are the new daemon's
         resend = []
         for env in self._open.values():
             if r in env.sent:
                 env.sent.discard(r)
+                env.via.pop(r, None)
                 resend.append((env, True))
         self._backlog[r].extendleft(reversed(resend))
 
@@ -615,7 +705,7 @@ class _Dispatcher:
         self._pending.pop(fut.task_id, None)
         for r in env.sent:
             if r not in fut._replies:
-                self._owing[r] -= 1
+                self._release(env, r)
         env.open -= 1
         if env.open <= 0:
             self._open.pop(env.cs, None)
@@ -643,12 +733,25 @@ class TransferClient:
 
     def __init__(self, namespace: str, tp_size: int, run_root: str | None = None,
                  task_timeout: float = 60.0, tcp: str | None = None,
-                 secret: bytes | None = None):
+                 secret: bytes | None = None, path: str | None = None):
         """``tcp="HOST:BASEPORT"`` talks to the ranks' tcp:// listeners instead of their
         ipc:// sockets, signing every message with ``secret`` (the signal segment is
-        still read from this node's /dev/shm)."""
+        still read from this node's /dev/shm).
+
+        ``path``: ``"ring"`` (the default on ipc://) sends what fits through each
+        rank's shared-memory rings and the rest over ZeroMQ; ``"zmq"`` (the default
+        and the only choice with ``tcp``) uses ZeroMQ alone.  A rank whose rings are
+        owned by another client, or whose daemon has none, is served over ZeroMQ."""
         tp_size = check_int(tp_size, "tp_size", 1, sys.maxsize)
         task_timeout = _seconds(task_timeout, "task_timeout", positive=True)
+        if path is None:
+            path = "zmq" if tcp is not None else "ring"
+        if path not in (p.value for p in PathChoice):
+            raise InvalidTask(f"path must be 'ring' or 'zmq', got {path!r:.60}",
+                              ErrorCode.BAD_FIELD)
+        if path == PathChoice.RING.value and tcp is not None:
+            raise InvalidTask("path='ring' needs this node's ipc:// sockets; a tcp:// client "
+                              "uses path='zmq'", ErrorCode.BAD_FIELD)
         if tcp is not None:
             if not isinstance(tcp, str):
                 raise InvalidTask(f"tcp must be 'HOST:BASEPORT', got {type(tcp).__name__}",
@@ -674,32 +777,23 @@ class TransferClient:
         # daemons' --model-version.  Read once per request by the submitting thread.
         self._model_version: str | None = None
         self._secret = bytes(secret) if tcp is not None else None
-        self._io = _Dispatcher(tp_size, self.cid, self._transmit, task_timeout,
-                               rank_epoch=lambda r: int(self.seg.ranks[r, R.EPOCH]),
+        self.path = PathChoice(path)
+        self._wire = Transport(self.names, endpoints, self.path, self.cid,
+                               lambda r: int(self.seg.ranks[r, RankSlot.EPOCH]), self._secret)
+        self._ctx = self._wire.ctx
+        self._io = _Dispatcher(tp_size, self.cid, self._wire, task_timeout,
+                               rank_epoch=lambda r: int(self.seg.ranks[r, RankSlot.EPOCH]),
                                rank_ready=lambda r: self.seg.state_of(r) == RankState.READY,
                                describe=self._describe, signed=self._secret is not None)
-        # Shared with submitting threads, under _lock: the outbox, _closed, the wake-up.
-        self._outbox: collections.deque[_Envelope] = collections.deque()
-        self._lock = threading.Lock()
+        # Under _lock: the dispatcher, every send, _closed, _idle.  Re-entrant: a
+        # done-callback (run under it by the reader) may submit.
+        self._lock = threading.RLock()
         self._closed = False
-        self._wake_pending = False
-        self._ctx = zmq.Context(1)
-        addr = f"inproc://kvswap-client-wake-{id(self)}"
-        self._wake_rx = self._ctx.socket(zmq.PAIR)
-        self._wake_rx.setsockopt(zmq.LINGER, 0)
-        self._wake_rx.bind(addr)
-        self._wake_tx = self._ctx.socket(zmq.PAIR)
-        self._wake_tx.setsockopt(zmq.LINGER, 0)
-        self._wake_tx.setsockopt(zmq.SNDHWM, 1)
-        self._wake_tx.connect(addr)
-        self._dealers = []
-        for endpoint in endpoints:
-            s = self._ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.SNDHWM, 0)
-            s.setsockopt(zmq.RCVHWM, 0)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(endpoint)
-            self._dealers.append(s)
+        self._idle = False  # the reader sleeps longer than _WATCH_MS: a post must wake it
+        self._linger_until = 0.0  # the reader sleeps at most _WATCH_MS until then
+        self._next_watch = 0.0  # the reader looks for restarted ranks from then on
+        self._look_all = False  # the reader must read every channel, signalled or not
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread = threading.Thread(target=self._io_loop, name="kvswap-client-io",
                                         daemon=True)
         self._thread.start()
@@ -714,7 +808,7 @@ class TransferClient:
         state = self.seg.state_of(r)
         age = self.seg.heartbeat_age_s(r)
         beat = "no heartbeat" if age is None else f"heartbeat {age:.1f}s ago"
-        err = self.seg.ranks[r, R.LAST_ERROR]
+        err = self.seg.ranks[r, RankSlot.LAST_ERROR]
         extra = f", last error {int(err)}" if err else ""
         return (f"rank {r} is {state.name} ({beat}{extra}; log "
                 f"{self.names.log_path(r)})")
@@ -738,12 +832,12 @@ class TransferClient:
         """Smallest device/host block counts over ranks; no bound while a rank has not
         published them yet."""
         self._check_open()
-        dev = int(self.seg.ranks[:, R.NUM_DEVICE_BLOCKS].min())
-        host = int(self.seg.ranks[:, R.NUM_HOST_BLOCKS].min())
+        ranks = self.seg.ranks
+        dev = min(ranks[:, RankSlot.NUM_DEVICE_BLOCKS].tolist())  # a few ranks: no numpy reduction
+        host = min(ranks[:, RankSlot.NUM_HOST_BLOCKS].tolist())
         if dev and host:
             return dev, host
-        big = int(np.iinfo(np.int64).max)
-        return big, big
+        return _NO_BOUND, _NO_BOUND
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1005,107 +1099,112 @@ class TransferClient:
                               time.monotonic() + self.task_timeout, self)
 
     def _submit(self, envelopes: Sequence[_Envelope]) -> None:
-        """Hand envelopes to the I/O thread, which first sends them in this order.
-
-        The wake-up is skipped while one is pending: the I/O thread clears
-        ``_wake_pending`` *before* it drains the outbox, so an envelope appended
-        before that is drained, and one appended after finds the flag clear and
-        sends a new wake-up."""
-        with self._lock:
+        """Send envelopes, in this order, from the calling thread (under the lock)."""
+        with _CallbacksDeferred(), self._lock:
             self._check_open()
-            self._outbox.extend(envelopes)
-            self._wake_locked()
+            for env in envelopes:
+                self._io.post(env)
+            if self._wire.take_look():
+                self._look_all = True
+            if self._idle or self._look_all:
+                self._wake()
 
-    def _wake_locked(self) -> None:
-        if self._wake_pending:
-            return
-        self._wake_pending = True
+    def _wake(self) -> None:
+        """Wake the reader (under the lock)."""
+        self._idle = False
         try:
-            self._wake_tx.send(b"", zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # the PAIR already holds a wake-up
+            os.write(self._wake_w, b"\x01")
+        except BlockingIOError:
+            pass  # bytes are waiting: it wakes
 
-    # ------------------------------------------------------------------ I/O thread
-    def _transmit(self, frames: list, ranks: Sequence[int]) -> None:
-        if self._secret is not None:
-            frames = sign(self._secret, frames)
-        for r in ranks:
-            self._dealers[r].send_multipart(frames, copy=False)
-
+    # ------------------------------------------------------------------ reader thread
     def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_rx, zmq.POLLIN)
-        for s in self._dealers:
-            poller.register(s, zmq.POLLIN)
+        poller = select.poll()
+        fds: list[int] = []
         try:
-            while not self._io_step(poller):
-                pass
+            while True:
+                with self._lock:
+                    timeout_ms = self._sleep_ms()
+                    if fds != (now := [self._wake_r, *self._wire.fds()]):
+                        for fd in fds:
+                            poller.unregister(fd)
+                        fds = now
+                        for fd in fds:
+                            poller.register(fd, select.POLLIN)
+                ready = {fd for fd, _ in poller.poll(timeout_ms)}
+                if self._io_step(ready):
+                    return
         finally:
             self._io_teardown()
 
-    def _io_step(self, poller: zmq.Poller) -> bool:
-        """One round of the I/O loop; True once the client is closed and drained."""
-        try:
-            timeout_ms = None
-            deadline = self._io.next_deadline()
-            if deadline is not None:
-                timeout_ms = max(0, int((deadline - time.monotonic()) * 1000) + 1)
-            if self._io.busy():  # watch for rank restarts while anything is outstanding
-                timeout_ms = min(timeout_ms if timeout_ms is not None else _WATCH_MS, _WATCH_MS)
-            events = dict(poller.poll(timeout_ms))
-            if self._wake_rx in events:
-                while True:
-                    try:
-                        self._wake_rx.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-            self._wake_pending = False
-            closed = self._closed
-            if closed:
-                self._io.close()
-            self._io.watch()
-            while self._outbox:
-                self._io.post(self._outbox.popleft())
-            for s in self._dealers:
-                if s in events:
-                    self._drain_replies(s)
-            self._io.expire(time.monotonic())
-            self._io.pump()
-            return closed
-        except Exception:  # nothing above is expected to raise: each unit guards itself
-            log.exception("client I/O thread: unexpected error outside any task; continuing")
-            return self._closed
+    def _sleep_ms(self) -> int | None:
+        """How long the reader may sleep (under the lock): until the next deadline, at
+        most _WATCH_MS while anything is outstanding, not at all if a ring holds a
+        completion or a channel changed; with nothing to wait for, until a post wakes
+        it (a post wakes a reader that sleeps longer than _WATCH_MS)."""
+        if self._wire.take_look():
+            self._look_all = True
+        if self._closed or self._look_all or not self._wire.arm():
+            return 0
+        timeout_ms = None
+        deadline = self._io.next_deadline()
+        if deadline is not None:
+            timeout_ms = max(0, int((deadline - time.monotonic()) * 1000) + 1)
+        if self._io.busy() or time.monotonic() < self._linger_until:
+            # watch for rank restarts while anything is outstanding; and keep waking at
+            # that pace for a while after the last reply, so that a busy engine's next
+            # post finds the reader on a short sleep and need not wake it
+            timeout_ms = min(timeout_ms if timeout_ms is not None else _WATCH_MS, _WATCH_MS)
+        self._idle = timeout_ms is None or timeout_ms > _WATCH_MS
+        return timeout_ms
 
-    def _drain_replies(self, sock: zmq.Socket) -> None:
-        while True:
+    def _io_step(self, ready: set[int]) -> bool:
+        """One round of the reader (``ready``: the descriptors poll found readable);
+        True once the client is closed and drained.  Done-callbacks run after it lets
+        go of the lock."""
+        with _CallbacksDeferred(), self._lock:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                if self._secret is not None:
-                    frames = verify(self._secret, frames)[1]
-                reply = decode_reply(frames[0])
-            except KvswapError as exc:
-                log.warning("dropping bad reply: %s", exc)
-                continue
-            self._io.on_reply(reply)
+                self._idle = False
+                if self._look_all:
+                    self._look_all = False
+                    ready = ready | self._wire.everything()
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 4096)
+                closed = self._closed
+                if closed:
+                    self._io.close()
+                now = time.monotonic()
+                if now >= self._next_watch:
+                    self._next_watch = now + _WATCH_MS / 1000
+                    self._io.watch()
+                replies = self._wire.receive(ready)
+                if replies:
+                    self._linger_until = time.monotonic() + _LINGER_S
+                for reply in replies:
+                    self._io.on_reply(reply)
+                self._io.expire(time.monotonic())
+                self._io.pump()
+                return closed
+            except Exception:  # nothing above is expected to raise: each unit guards itself
+                log.exception("client reader thread: unexpected error outside any task; "
+                              "continuing")
+                return self._closed
 
     def _io_teardown(self) -> None:
-        """Last act of the I/O thread: fail what is left, close its sockets, end the
-        context (every socket has LINGER 0, so term() returns at once)."""
-        self._io.close()
-        for s in (*self._dealers, self._wake_rx):
-            s.close(linger=0)
+        """Last act of the reader thread: fail what is left, close the channels, end
+        the context (every socket has LINGER 0, so term() returns at once)."""
         with self._lock:
-            self._wake_tx.close(linger=0)
-        self._ctx.term()
+            self._closed = True  # also when the reader ends on an error of its own
+            self._io.close()
+            self._wire.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Stop the I/O thread; pending futures fail with SHUTTING_DOWN.
+        """Stop the reader thread; pending futures fail with SHUTTING_DOWN.
 
-        Never hangs: the I/O thread is joined for at most 10 s.  If it is still
+        Never hangs: the reader is joined for at most 10 s.  If it is still
         inside a done-callback by then (or close() is called from one), it
         finishes the teardown itself when the callback returns, and the signal
         segment is left to the garbage collector."""
@@ -1113,12 +1212,12 @@ class TransferClient:
             if self._closed:
                 return
             self._closed = True
-            self._wake_locked()
+            self._wake()
         if threading.current_thread() is self._thread:
             return
         self._thread.join(timeout=_CLOSE_JOIN_S)
         if self._thread.is_alive():
-            log.warning("TransferClient.close(): the I/O thread is still busy after %.0fs "
+            log.warning("TransferClient.close(): the reader thread is still busy after %.0fs "
                         "(a slow done-callback?); it tears down when that returns",
                         _CLOSE_JOIN_S)
             return

@@ -22,7 +22,7 @@ import posix_ipc
 from kvswap.client.errors import BarrierAborted, BarrierTimeout, ErrorCode, KvswapError
 from kvswap.client.signals import (
     AGREE_SLOTS,
-    A,
+    AgreeSlot,
     AgreeState,
     RankState,
     SignalSegment,
@@ -56,11 +56,11 @@ class Agreement:
             idx = self._next % AGREE_SLOTS
             self._next += 1
         e = self.seg.agree[self.rank, idx]
-        e[A.TASK_ID] = 0
-        e[A.ROUND] = rnd
-        e[A.VALUE] = value
-        e[A.STATE] = state
-        e[A.TASK_ID] = task_id
+        e[AgreeSlot.TASK_ID] = 0
+        e[AgreeSlot.ROUND] = rnd
+        e[AgreeSlot.VALUE] = value
+        e[AgreeSlot.STATE] = state
+        e[AgreeSlot.TASK_ID] = task_id
         for sem in self._others:
             sem.release()
         return idx
@@ -75,7 +75,7 @@ class Agreement:
     def _give_up(self, idx: int, task_id: int, rnd: int, last_round: int) -> None:
         """Mark this round ABORTED and post ABORTED for every later round, so no peer
         waits for a round this rank will never enter."""
-        self.seg.agree[self.rank, idx, A.STATE] = AgreeState.ABORTED
+        self.seg.agree[self.rank, idx, AgreeSlot.STATE] = AgreeState.ABORTED
         for later in range(rnd + 1, last_round + 1):
             self._post(task_id, later, 0, AgreeState.ABORTED)
         for sem in self._others:
@@ -84,9 +84,10 @@ class Agreement:
     def _read(self, rank: int, task_id: int, rnd: int) -> tuple[int, AgreeState] | None:
         table = self.seg.agree[rank]
         for idx in range(AGREE_SLOTS):
-            if int(table[idx, A.TASK_ID]) == task_id and int(table[idx, A.ROUND]) == rnd:
-                value, state = int(table[idx, A.VALUE]), int(table[idx, A.STATE])
-                if int(table[idx, A.TASK_ID]) == task_id:  # not reclaimed while read
+            entry = table[idx]
+            if int(entry[AgreeSlot.TASK_ID]) == task_id and int(entry[AgreeSlot.ROUND]) == rnd:
+                value, state = int(table[idx, AgreeSlot.VALUE]), int(table[idx, AgreeSlot.STATE])
+                if int(table[idx, AgreeSlot.TASK_ID]) == task_id:  # not reclaimed while read
                     return value, AgreeState(state)
         return None
 

@@ -31,7 +31,7 @@ from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, NotReady
 from kvswap.client.layout import TensorDesc, demo_layout, layout_hash, validate_layout
 from kvswap.client.protocol import Op, Request, packb
 from kvswap.client.shm_region import ShmRegion
-from kvswap.client.signals import R, RankState, poll_until
+from kvswap.client.signals import RankSlot, RankState, poll_until
 from kvswap.daemon.backend import Backend
 from kvswap.daemon.io_loop import IoLoop
 from kvswap.daemon.jobs import PEER_WORKERS, Completion, Job
@@ -219,10 +219,10 @@ class Registrar:
     def _drain(self, what: str) -> None:
         """Wait until no accepted task is running or queued on this rank."""
         rank, cfg = self._rank, self._rank.cfg
-        if poll_until(lambda: True if rank.sig[R.INFLIGHT] == 0 else None,
+        if poll_until(lambda: True if rank.sig[RankSlot.INFLIGHT] == 0 else None,
                       time.monotonic() + cfg.drain_timeout_s) is None:
             rank.sm.fail(ErrorCode.RANK_TIMEOUT, f"{what}: tasks did not drain")
-            raise KvswapError(f"rank {rank.index}: {rank.sig[R.INFLIGHT]} task(s) still "
+            raise KvswapError(f"rank {rank.index}: {rank.sig[RankSlot.INFLIGHT]} task(s) still "
                               f"running after {cfg.drain_timeout_s:.0f}s ({what})",
                               ErrorCode.RANK_TIMEOUT)
 
@@ -252,7 +252,7 @@ class Registrar:
             self._kept_swap = None
         swap = HostSwapSpace.open(rank.names, rank.index, tensors, cfg.pool_blocks,
                                   host_bytes=cfg.host_size)
-        sig[R.SWAP_BYTES_TOTAL] = swap.nbytes  # before attach: pinning reports progress
+        sig[RankSlot.SWAP_BYTES_TOTAL] = swap.nbytes  # before attach: pinning reports progress
         try:
             if swap.num_host_blocks > cfg.host_blocks_bound:
                 raise InvalidTask(
@@ -269,8 +269,8 @@ class Registrar:
             for user in self._pool_users:
                 user.detach()
             self._backend.detach()
-            sig[R.SWAP_BYTES_TOTAL] = 0
-            sig[R.SWAP_BYTES_PINNED] = 0
+            sig[RankSlot.SWAP_BYTES_TOTAL] = 0
+            sig[RankSlot.SWAP_BYTES_PINNED] = 0
             if swap.reused:  # a pool with contents stays for the next register (or teardown)
                 self._kept_swap = swap
             else:
@@ -300,12 +300,12 @@ class Registrar:
                                for i, t in enumerate(tensors)),
             entries=entries)
         self._slot.current = att  # published: from here on the caches are attached
-        sig[R.NUM_DEVICE_BLOCKS] = att.num_device_blocks
-        sig[R.NUM_HOST_BLOCKS] = att.num_host_blocks
-        sig[R.SWAP_BYTES_TOTAL] = swap.nbytes
-        sig[R.SWAP_BYTES_PINNED] = swap.nbytes
-        sig[R.CACHE_READY] = 1
-        sig[R.SWAP_READY] = 1
+        sig[RankSlot.NUM_DEVICE_BLOCKS] = att.num_device_blocks
+        sig[RankSlot.NUM_HOST_BLOCKS] = att.num_host_blocks
+        sig[RankSlot.SWAP_BYTES_TOTAL] = swap.nbytes
+        sig[RankSlot.SWAP_BYTES_PINNED] = swap.nbytes
+        sig[RankSlot.CACHE_READY] = 1
+        sig[RankSlot.SWAP_READY] = 1
         log.info("attached %d tensors in %d layers (%d device blocks, %.1f MiB host swap%s)",
                  len(tensors), len(layers), att.num_device_blocks, swap.nbytes / 2**20,
                  ", re-attached" if swap.reused else "")
@@ -323,13 +323,13 @@ class Registrar:
         att.scheduler.join(self._rank.cfg.drain_timeout_s)
         self._backend.detach()
         sig = self._rank.sig
-        sig[R.CACHE_READY] = 0
+        sig[RankSlot.CACHE_READY] = 0
         if free_host:
             self._storage.use_pool([])  # before the pool is unmapped
             att.swap.close(unlink=True)
-            sig[R.SWAP_READY] = 0
-            sig[R.SWAP_BYTES_TOTAL] = 0
-            sig[R.SWAP_BYTES_PINNED] = 0
+            sig[RankSlot.SWAP_READY] = 0
+            sig[RankSlot.SWAP_BYTES_TOTAL] = 0
+            sig[RankSlot.SWAP_BYTES_PINNED] = 0
         else:
             self._kept_swap = att.swap
         self._path.unlink(missing_ok=True)
@@ -343,8 +343,8 @@ class Registrar:
         """Teardown, after the control thread and the workers ended: release every
         mapping and everything this rank created."""
         self._backend.detach()
-        self._rank.sig[R.CACHE_READY] = 0
-        self._rank.sig[R.SWAP_READY] = 0
+        self._rank.sig[RankSlot.CACHE_READY] = 0
+        self._rank.sig[RankSlot.SWAP_READY] = 0
         att = self._slot.current
         swap = att.swap if att is not None else self._kept_swap
         if swap is not None:

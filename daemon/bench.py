@@ -43,7 +43,7 @@ from kvswap.client.block_keys import block_hashes
 from kvswap.client.errors import ErrorCode, KvswapError
 from kvswap.client.layer_progress import LayerProgress
 from kvswap.client.layout import demo_layout
-from kvswap.client.signals import R, poll_until
+from kvswap.client.signals import RankSlot, poll_until
 from kvswap.client.transfer_client import TransferClient, TransferSpec
 from kvswap.daemon import bench_peer, bench_trace
 from kvswap.daemon.bench_refs import (
@@ -63,8 +63,11 @@ from kvswap.kernels.planner import plan_copy
 class _Namespace:
     """A throw-away launched namespace for one measurement."""
 
-    def __init__(self, tp: int, layout: str, host_blocks: int, **options: Any):
-        """``options``: more :class:`LaunchConfig` fields (kvswapd options included)."""
+    def __init__(self, tp: int, layout: str, host_blocks: int, path: str | None = None,
+                 **options: Any):
+        """``path``: the client's ``path`` option; ``options``: more :class:`LaunchConfig`
+        fields (kvswapd options included)."""
+        self.path = path
         self.run_root = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
         ns = f"bench-{os.getpid()}-{time.monotonic_ns() % 10**6}"
         self.launcher = Launcher(LaunchConfig(namespace=ns, tp=tp, run_root=self.run_root,
@@ -76,7 +79,8 @@ class _Namespace:
         try:
             self.launcher.wait_ready(timeout=60)
             self.client = TransferClient(self.launcher.names.namespace, self.launcher.cfg.tp,
-                                         run_root=self.run_root, task_timeout=120)
+                                         run_root=self.run_root, task_timeout=120,
+                                         path=self.path)
         except BaseException:
             self.launcher.stop()
             raise
@@ -121,15 +125,23 @@ def _batched(client: TransferClient, n: int, per_batch: int, blocks: int) -> flo
     return n / (time.perf_counter() - t0)
 
 
+def path_used(client: TransferClient) -> str:
+    """Which channel the client's small tasks took: "ring" when every rank's rings
+    were in use, "zmq" when none was, "mixed" otherwise."""
+    rings = sum(p is not None for p in client._wire.rings)
+    return "ring" if rings == client.tp_size else "zmq" if rings == 0 else "mixed"
+
+
 def bench_tasks(args: argparse.Namespace) -> dict:
     blocks = 4096
     rows = []
     for label, merge in (("no_merge", False), ("merge", True)):
-        with _Namespace(args.tp, TASKS_LAYOUT, blocks, merge=merge) as client:
+        with _Namespace(args.tp, TASKS_LAYOUT, blocks, path=args.path, merge=merge) as client:
             _pipelined(client, 500, args.window, blocks)  # warm-up
             rate = statistics.median(_pipelined(client, args.tasks, args.window, blocks)
                                      for _ in range(args.repeat))
-            row = {"mode": label, "tp": args.tp, "tasks_per_s": round(rate)}
+            row = {"mode": label, "tp": args.tp, "path": path_used(client),
+                   "tasks_per_s": round(rate)}
             if label == "merge":
                 merged = sum(r.fields["counters"]["merged_batches"]
                              for r in client.stats().result(10).replies.values())
@@ -137,7 +149,8 @@ def bench_tasks(args: argparse.Namespace) -> dict:
                 batch_rate = statistics.median(_batched(client, args.tasks, 64, blocks)
                                                for _ in range(args.repeat))
                 rows.append(row)
-                row = {"mode": "batch64", "tp": args.tp, "tasks_per_s": round(batch_rate)}
+                row = {"mode": "batch64", "tp": args.tp, "path": path_used(client),
+                       "tasks_per_s": round(batch_rate)}
             rows.append(row)
     base = rows[0]["tasks_per_s"]
     for r in rows:
@@ -153,7 +166,7 @@ def bench_layerwise(args: argparse.Namespace) -> dict:
     layout = f"layers={layers},block_tokens=16,heads=8,head_dim=128,dtype=float16,blocks=128"
     nblocks = args.blocks
     first, full = [], []
-    with _Namespace(1, layout, 128) as client:
+    with _Namespace(1, layout, 128, path=args.path) as client:
         progress = LayerProgress(client.seg, 0)
         try:
             client.evict(list(range(nblocks)), list(range(nblocks))).result(60)
@@ -168,6 +181,7 @@ def bench_layerwise(args: argparse.Namespace) -> dict:
                 if i >= 2:  # the first two warm the pages and the code paths
                     first.append(t_first)
                     full.append(t_full)
+            path = path_used(client)
         finally:
             progress.close()
     f50, t50 = statistics.median(first), statistics.median(full)
@@ -177,7 +191,7 @@ def bench_layerwise(args: argparse.Namespace) -> dict:
         "layers": layers, "blocks": nblocks, "bytes": bytes_moved,
         "first_layer_us": round(f50 * 1e6, 1), "full_load_us": round(t50 * 1e6, 1),
         "target_us": round(target * 1e6, 1), "meets_target": f50 <= target,
-        "first_over_full": round(f50 / t50, 4),
+        "first_over_full": round(f50 / t50, 4), "path": path,
     }}
 
 
@@ -234,7 +248,7 @@ class _KvswapControl:
         return _pipelined(self.client, n, window, self.blocks)
 
     def server_pids(self) -> list[int]:
-        return [int(self.client.seg.ranks[r, R.PID]) for r in range(self.client.tp_size)]
+        return [int(self.client.seg.ranks[r, RankSlot.PID]) for r in range(self.client.tp_size)]
 
     def pause(self) -> None:
         """Idle daemons sleep in their poller: nothing to park."""
@@ -244,7 +258,8 @@ class _KvswapControl:
 
     def served(self) -> list[int]:
         """Tasks each rank completed, from the signal segment."""
-        return [int(self.client.seg.ranks[r, R.COMPLETED]) for r in range(self.client.tp_size)]
+        ranks = self.client.seg.ranks
+        return [int(ranks[r, RankSlot.COMPLETED]) for r in range(self.client.tp_size)]
 
 
 def _rotated(items: Sequence, k: int) -> list:
@@ -262,7 +277,7 @@ def _control_row(tp: int, args: argparse.Namespace) -> dict:
     """Measure kvswap, the floor and the baseline at one TP size, interleaved."""
     run_dir = tempfile.mkdtemp(prefix="kvb-ref-", dir="/tmp")
     try:
-        with _Namespace(tp, CONTROL_LAYOUT, CONTROL_BLOCKS) as client, \
+        with _Namespace(tp, CONTROL_LAYOUT, CONTROL_BLOCKS, path=args.path) as client, \
                 FloorRef(tp, run_dir, CONTROL_BLOCKS) as floor, \
                 BaselineRef(tp, run_dir, CONTROL_BLOCKS, CONTROL_BLOCK_BYTES) as baseline:
             kvswap = _KvswapControl(client, CONTROL_BLOCKS)
@@ -272,6 +287,7 @@ def _control_row(tp: int, args: argparse.Namespace) -> dict:
             p99: dict[str, list[float]] = {s.name: [] for s in systems}
             rate: dict[str, list[float]] = {s.name: [] for s in systems}
             cpu: dict[str, list[float]] = {s.name: [] for s in systems}
+            engine_cpu: list[float] = []  # the bench process alone, in kvswap's blocks
 
             def latency_block(s: _ControlSystem, n: int) -> list[float]:
                 """Round trips; also CPU per round trip of every process of the system.
@@ -280,9 +296,13 @@ def _control_row(tp: int, args: argparse.Namespace) -> dict:
                 try:
                     measure_latencies_us(s.roundtrip, sent[s.name], _BLOCK_WARMUP)
                     pids = s.server_pids()
-                    c0 = time.process_time() + cpu_seconds(pids)
+                    e0 = time.process_time()
+                    c0 = e0 + cpu_seconds(pids)
                     lat = measure_latencies_us(s.roundtrip, sent[s.name] + _BLOCK_WARMUP, n)
-                    cpu[s.name].append((time.process_time() + cpu_seconds(pids) - c0) / n * 1e6)
+                    e1 = time.process_time()
+                    cpu[s.name].append((e1 + cpu_seconds(pids) - c0) / n * 1e6)
+                    if s is kvswap:
+                        engine_cpu.append((e1 - e0) / n * 1e6)
                 finally:
                     s.pause()
                 sent[s.name] += _BLOCK_WARMUP + n
@@ -309,6 +329,7 @@ def _control_row(tp: int, args: argparse.Namespace) -> dict:
                     rate[s.name].append(pipelined_block(s, args.tasks))
             served = {"kvswap": kvswap.served(), "floor": floor.close(),
                       "baseline": baseline.close()}
+            path = path_used(client)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     for name, counts in served.items():
@@ -318,6 +339,7 @@ def _control_row(tp: int, args: argparse.Namespace) -> dict:
     med = {name: statistics.median(v) for name, v in p50.items()}
     return {
         "tp": tp,
+        "path": path,
         "kvswap_p50_us": round(med["kvswap"], 1),
         "kvswap_p99_us": round(statistics.median(p99["kvswap"]), 1),
         "floor_p50_us": round(med["floor"], 1),
@@ -325,12 +347,15 @@ def _control_row(tp: int, args: argparse.Namespace) -> dict:
         "baseline_p50_us": round(med["baseline"], 1),
         "baseline_p99_us": round(statistics.median(p99["baseline"]), 1),
         "kvswap_cpu_us": round(statistics.median(cpu["kvswap"])),
+        "engine_cpu_us": round(statistics.median(engine_cpu)),
         "floor_cpu_us": round(statistics.median(cpu["floor"])),
         "baseline_cpu_us": round(statistics.median(cpu["baseline"])),
         "kvswap_tasks_per_s": round(statistics.median(rate["kvswap"])),
         "floor_tasks_per_s": round(statistics.median(rate["floor"])),
         "baseline_tasks_per_s": round(statistics.median(rate["baseline"])),
         "p50_vs_floor": round(med["kvswap"] / med["floor"], 2),
+        "tasks_vs_floor": round(statistics.median(rate["kvswap"])
+                                / statistics.median(rate["floor"]), 2),
         "baseline_vs_kvswap_p50": round(med["baseline"] / med["kvswap"], 2),
         "tasks_per_system": sent["kvswap"],  # the same schedule for every system
     }
@@ -889,6 +914,12 @@ def _args_storage(p: argparse.ArgumentParser) -> None:
                         "batch_get_into of the same bytes")
 
 
+def _arg_path(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--path", choices=("ring", "zmq"), default="ring",
+                   help="the client's channel to the daemons: shared-memory rings (what "
+                        "fits; the default) or ZeroMQ only")
+
+
 def _args_tasks(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=_TP, default=1, metavar="N", help="number of ranks")
     p.add_argument("--tasks", type=_COUNT, default=5000, metavar="N",
@@ -896,6 +927,7 @@ def _args_tasks(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=_COUNT, default=256, metavar="N", help="tasks in flight")
     p.add_argument("--repeat", type=_COUNT, default=3, metavar="N",
                    help="measurements per figure (the median is reported)")
+    _arg_path(p)
 
 
 def _args_layerwise(p: argparse.ArgumentParser) -> None:
@@ -904,6 +936,7 @@ def _args_layerwise(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blocks", type=_COUNT, default=32, metavar="N", help="blocks per load")
     p.add_argument("--repeat", type=_COUNT, default=15, metavar="N",
                    help="loads measured (the median is reported)")
+    _arg_path(p)
 
 
 def _args_control(p: argparse.ArgumentParser) -> None:
@@ -919,6 +952,7 @@ def _args_control(p: argparse.ArgumentParser) -> None:
                    help="pipelined tasks in flight")
     p.add_argument("--warmup", type=value_type(int, at_least(0)), default=100, metavar="N",
                    help="untimed round trips first")
+    _arg_path(p)
 
 
 def _args_data(p: argparse.ArgumentParser) -> None:

@@ -81,6 +81,7 @@ class Target:
 CONTROL_P50_VS_FLOOR = Target(Cmp.AT_MOST, 2.0)
 CONTROL_BASELINE_VS_KVSWAP = Target(Cmp.AT_LEAST, 5.0)
 CONTROL_TASKS_PER_S_TP1 = Target(Cmp.AT_LEAST, 20000, "tasks/s")  # absolute, at TP 1 only
+CONTROL_ENGINE_CPU_TP1 = Target(Cmp.AT_MOST, 80, "µs")  # engine process CPU per task, TP 1
 DATA_RATIO_SMALL = Target(Cmp.AT_LEAST, 0.40)  # blocks below DATA_LARGE_BLOCK
 DATA_RATIO_LARGE = Target(Cmp.AT_LEAST, 0.80)
 DATA_LARGE_BLOCK = 64 << 10
@@ -129,16 +130,21 @@ def render_control(result: dict[str, Any]) -> list[str]:
                   *judged(CONTROL_TASKS_PER_S_TP1 if r["tp"] == 1 else None,
                           r["kvswap_tasks_per_s"]),
                   r["kvswap_cpu_us"], r["floor_cpu_us"], r["baseline_cpu_us"],
-                  r["tasks_per_system"]]
+                  r["tasks_per_system"], r["path"], r["engine_cpu_us"],
+                  *judged(CONTROL_ENGINE_CPU_TP1 if r["tp"] == 1 else None,
+                          r["engine_cpu_us"])]
                  for r in rows]
     return ["Sequential round trips of a 1-block evict:", "",
             *md_table(["TP", "kvswap p50 µs", "kvswap p99 µs", "floor p50 µs", "baseline p50 µs",
                        "p50 / floor", "target", "met", "baseline / kvswap p50", "target", "met"],
                       latency),
-            "", "Pipelined tasks, and CPU per round trip (every process of each system):", "",
+            "", "Pipelined tasks, CPU per round trip (every process of each system) and "
+            "the engine process's share of kvswap's (all its threads), by the client's "
+            "path:", "",
             *md_table(["TP", "kvswap tasks/s", "floor tasks/s", "baseline tasks/s",
                        "kvswap / floor", "target", "met", "kvswap CPU µs", "floor CPU µs",
-                       "baseline CPU µs", "tasks per system"], pipelined)]
+                       "baseline CPU µs", "tasks per system", "path", "engine CPU µs",
+                       "target", "met"], pipelined)]
 
 
 def render_data(result: dict[str, Any]) -> list[str]:
@@ -174,21 +180,45 @@ def render_layerwise(result: dict[str, Any]) -> list[str]:
           "met" if r["meets_target"] else "not met"]])
 
 
+# The reference each storage backend's row is measured against: (writes, reads).
+_STORAGE_REFERENCES = {
+    "file": ("plain file writes", "plain file reads"),
+    "redis": ("pipelined SET", "one MGET"),
+    "mooncake": ("raw batch_put_from", "raw batch_get_into"),
+    "mooncake-backend": ("raw batch_put_from", "raw batch_get_into"),
+}
+
+
 def render_storage(result: dict[str, Any]) -> list[str]:
     rows = []
     for r in result["storage"]:
         file = r["backend"] == "file"
         store = ("cold (page cache dropped)" if r["cold"] else "warm (in the page cache)"
                  ) if file else "loopback"
+        writes, reads = _STORAGE_REFERENCES[r["backend"]]
         for op, ours, ref, ratio, ref_name in (
-                ("backup", "backup_gbps", "reference_write_gbps", "backup_ratio",
-                 "plain file writes" if file else "pipelined SET"),
-                ("prefetch", "prefetch_gbps", "reference_read_gbps", "prefetch_ratio",
-                 "plain file reads" if file else "one MGET")):
+                ("backup", "backup_gbps", "reference_write_gbps", "backup_ratio", writes),
+                ("prefetch", "prefetch_gbps", "reference_read_gbps", "prefetch_ratio", reads)):
             rows.append([r["backend"], store, r["blocks"], size_text(r["block_bytes"]), op,
                          r[ours], ref_name, r[ref], r[ratio], *judged(STORAGE_RATIO, r[ratio])])
     return md_table(["backend", "store", "blocks", "block", "op", "kvswap GB/s", "reference",
                      "reference GB/s", "ratio", "target", "met"], rows)
+
+
+PEER_RATIO = Target(Cmp.AT_LEAST, 0.7)  # node-to-node GB/s vs raw batch_transfer_sync_write
+
+
+def render_peer(result: dict[str, Any]) -> list[str]:
+    rows = [[r["tp"], f"{r['block_kib']} KiB", r["blocks"], r["peer_gbps"], r["raw_gbps"],
+             round(r["ratio"], 2), *judged(PEER_RATIO, r["ratio"])] for r in result["peer"]]
+    lines = md_table(["TP", "block (per tensor)", "blocks", "peer GB/s",
+                      "raw batch_transfer_sync_write GB/s", "ratio", "target", "met"], rows)
+    one = [r for r in result["peer"] if "one_block_peer_p50_us" in r]
+    if one:
+        lines += ["", f"One block (TP {one[0]['tp']}, {one[0]['block_kib']} KiB per tensor): "
+                      f"peer p50 {one[0]['one_block_peer_p50_us']} µs, raw p50 "
+                      f"{one[0]['one_block_raw_p50_us']} µs."]
+    return lines
 
 
 def render_hostcache(result: dict[str, Any]) -> list[str]:
@@ -341,12 +371,46 @@ def redis_unavailable() -> str | None:
     return None
 
 
+def mooncake_unavailable(module: str) -> str | None:
+    """Why a bench needing Mooncake's ``module`` (``mooncake.store`` for the storage
+    tier, ``mooncake.engine`` for peer transfer) cannot run here, or None."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        return f"{module} is missing (pip install 'kvswap[mooncake]')"
+    if module == "mooncake.store":
+        from kvswap.daemon.storage.mooncake_master import find_master
+
+        if find_master() is None:
+            return "mooncake_master is not installed (pip install 'kvswap[mooncake]')"
+    return None
+
+
 def storage_plan(quick: bool) -> tuple[list[list[str]], list[str]]:
-    """Cold file store (and Redis when it can run), then the warm file store."""
+    """Cold file store (with Redis and Mooncake Store where they can run), then the
+    warm file store."""
     size = ["--blocks", "4", "--repeat", "1"] if quick else []
-    why = redis_unavailable()
-    cold = ["--cold", *size] if why else ["--cold", "--redis", "auto", *size]
-    return [cold, size], [f"Redis not measured: {why}."] if why else []
+    cold, notes = ["--cold", *size], []
+    for name, why, flag in (("Redis", redis_unavailable(), "--redis"),
+                            ("Mooncake Store", mooncake_unavailable("mooncake.store"),
+                             "--mooncake")):
+        if why:
+            notes.append(f"{name} not measured: {why}.")
+        else:
+            cold += [flag, "auto"]
+    return [cold, size], notes
+
+
+def measure_peer(quick: bool) -> Measured:
+    """``kvswap bench peer`` where the Mooncake Transfer Engine can run."""
+    why = mooncake_unavailable("mooncake.engine")
+    if why is not None:
+        return Measured(None, [], [f"Not run: {why}."])
+    argv = (["--tp", "1", "--sizes", "256", "--mib", "4", "--rounds", "1",
+             "--latency-samples", "5"] if quick else [])
+    return scenario("peer", fixed(argv, argv))(quick)
 
 
 _SWEEP = "64,128,256,512,1024,2048,4096"
@@ -404,6 +468,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("layerwise", scenario("layerwise", fixed([], ["--layers", "4", "--blocks", "4",
                                                           "--repeat", "1"])), render_layerwise),
     Section("storage", scenario("storage", storage_plan), render_storage),
+    Section("peer", measure_peer, render_peer),
     Section("gpu", measure_gpu, render_gpu),
     Section("trace", scenario("trace", trace_plan), render_trace),
     Section("hostcache", scenario("hostcache", fixed([], ["--requests", "200", "--rounds", "1"])),

@@ -15,6 +15,7 @@ call is one global test and a return.
 Points, in the order a task passes them:
 
 ==============  =====================================================
+ring.read       taken off the shared-memory request ring, not yet decoded
 copy.before     admitted and journaled, no byte copied yet
 copy.mid        half of the task's tensors copied
 record.before   copied, outcome not yet in the journal
@@ -31,7 +32,7 @@ import os
 import signal
 from pathlib import Path
 
-POINTS = ("copy.before", "copy.mid", "record.before", "reply.before", "reply.after")
+POINTS = ("ring.read", "copy.before", "copy.mid", "record.before", "reply.before", "reply.after")
 PEER_POINTS = ("peer.begun", "peer.written")  # passed by peer transfers only (tests/test_peer.py)
 
 _armed: tuple[str, int, Path] | None = None

@@ -21,7 +21,7 @@ from kvswap.client.protocol import Op, validate_transfer
 from kvswap.daemon import crashpoints
 from kvswap.daemon.io_loop import IoLoop
 from kvswap.daemon.jobs import Completion, Job, Origin
-from kvswap.daemon.journal import UNREPLAYABLE_OPS, Journal
+from kvswap.daemon.journal import JOURNALED_OPS, UNREPLAYABLE_OPS, Journal
 from kvswap.daemon.rank import RankContext
 from kvswap.daemon.scheduler import Task
 
@@ -40,6 +40,18 @@ class ExactlyOnce:
         # serialises them itself); replay: control thread before READY.
         self._journal = journal
         self._io = io
+
+    def begin_admission(self, job: Job, header: dict) -> Origin | None:
+        """The checks every scheduled op's admission starts with (I/O thread): the
+        epochs it was addressed to, a serving rank, then a re-send the journal
+        answers.  Returns the sender's origin, or None when the re-send was answered
+        from the journal and there is nothing left to admit."""
+        self._rank.check_epoch(header)
+        self._rank.check_serving()
+        origin = Origin.of(header)
+        if job.op in JOURNALED_OPS and origin.resent and self.answer_resent(job, origin):
+            return None
+        return origin
 
     def admit(self, job: Job, origin: Origin, device_ids: np.ndarray, host_ids: np.ndarray, *,
               layerwise: bool = False, keys: np.ndarray | None = None) -> None:

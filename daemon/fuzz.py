@@ -98,7 +98,7 @@ from kvswap.client.protocol import (
     peek_request_id,
     packb,
 )
-from kvswap.client.signals import R
+from kvswap.client.signals import RankSlot
 from kvswap.daemon.malloc_tuning import TRIM_EVERY_S
 from kvswap.client.transfer_client import TransferClient
 from kvswap.daemon.demo import RankView
@@ -1438,7 +1438,7 @@ def _run_transport(cfg: StressConfig, name: str, seed: int, work: Path) -> Trans
         names = launcher.names
         assert launcher.seg is not None
         pids = [p.pid for p in launcher.procs]
-        epochs = [int(launcher.seg.ranks[r, R.EPOCH]) for r in range(cfg.tp)]
+        epochs = [int(launcher.seg.ranks[r, RankSlot.EPOCH]) for r in range(cfg.tp)]
         rss_launch = [rss_kib(p) for p in pids]
         endpoints = tuple(tcp_endpoints(tcp_spec, cfg.tp) if tcp_spec
                           else [names.endpoint(r) for r in range(cfg.tp)])
@@ -1487,7 +1487,7 @@ def _run_transport(cfg: StressConfig, name: str, seed: int, work: Path) -> Trans
             checks += more
         sampler.stop()
         rss_end = sampler.settled(2 * TRIM_EVERY_S + 1)
-        epochs_end = [int(launcher.seg.ranks[r, R.EPOCH]) for r in range(cfg.tp)]
+        epochs_end = [int(launcher.seg.ranks[r, RankSlot.EPOCH]) for r in range(cfg.tp)]
         ranks = []
         for r in range(cfg.tp):
             proc = launcher.procs[r]

@@ -36,11 +36,12 @@ from kvswap.client.protocol import (
     max_frame_bytes,
     peek_request_id,
 )
-from kvswap.client.signals import HIST_OPS, R
+from kvswap.client.signals import HIST_OPS, RankSlot
 from kvswap.daemon import crashpoints
 from kvswap.daemon.connections import ConnectionGuard
 from kvswap.daemon.jobs import Completion, Handler, Job, Route
 from kvswap.daemon.rank import RankContext
+from kvswap.daemon.ring_server import RingServer
 
 log = logging.getLogger("kvswap.daemon")
 
@@ -81,15 +82,20 @@ class CompletionQueue:
                 pass
 
     def take(self) -> list[Completion]:
-        """Every completion queued so far (I/O thread).  The flag is cleared first, so
-        a completion queued while this runs sends a new wake-up."""
-        with self._lock:
-            self._wake_pending = False
+        """Every completion queued so far (I/O thread).
+
+        Order matters: read the wake-ups, then clear the flag, then empty the deque.
+        A completion queued before the flag is cleared is in the deque when it is
+        emptied; one queued after sees the flag clear and sends a wake-up.  (Clearing
+        the flag before reading could swallow a wake-up sent in between, leaving the
+        flag set with no wake-up pending: no completion would wake this thread again.)"""
         while True:
             try:
                 self.rx.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
+        with self._lock:
+            self._wake_pending = False
         out = []
         while self._items:
             out.append(self._items.popleft())
@@ -133,6 +139,10 @@ class IoLoop:
         signal.set_wakeup_fd(self._sig_w.fileno(), warn_on_full_buffer=False)
         for s in STOP_SIGNALS:
             signal.signal(s, lambda *_: None)
+        self._handlers: dict[Op, Handler] = {}  # serve()'s table; ring requests use it too
+        # the shared-memory rings beside the ipc:// socket (docs/protocol.md section 15)
+        self._rings = RingServer(rank.names, rank.index, rank.epoch,
+                                 lambda *message: self._on_request(self._handlers, *message))
 
     def _bind(self) -> ConnectionGuard:
         """Bind the ROUTER(s), each limited to frames a valid request can carry, and
@@ -176,6 +186,8 @@ class IoLoop:
         poller.register(self._sig_r, zmq.POLLIN)
         if self.tcp_router is not None:
             poller.register(self.tcp_router, zmq.POLLIN)
+        self._handlers = handlers
+        poller.register(self._rings.fileno(), zmq.POLLIN)
         stopping = self._rank.stopping
         while True:
             if stopping.is_set() and workers_done():
@@ -189,6 +201,8 @@ class IoLoop:
                     begin_stop(f"signal {', '.join(stops)}")
             if self._done.rx in events:
                 self.flush_completions()
+            if self._rings.fileno() in events:
+                self._rings.drain()
             for sock, signed in ((self.router, False), (self.tcp_router, True)):
                 if sock is None or sock not in events:
                     continue
@@ -238,7 +252,7 @@ class IoLoop:
         # precision cuts it, so no value can forge or flood a log line.
         log.warning("rejected %s %.200r: [%d] %.200r", op, req_id, exc.code, exc.message)
         self._rank.sm.note_error(exc.code)
-        self._rank.sig.add(R.FAILED, 1)
+        self._rank.sig.add(RankSlot.FAILED, 1)
         self._rank.stats.error(exc.code)
         self.reply(route, req_id, exc.code, exc.message)
 
@@ -300,13 +314,14 @@ class IoLoop:
         job = c.job
         sig, stats = self._rank.sig, self._rank.stats
         if OPS[job.op].kind is HandlerKind.TRANSFER:
-            sig.add(R.INFLIGHT, -1)
+            sig.add(RankSlot.INFLIGHT, -1)
             if c.code == ErrorCode.OK:
-                sig.add(R.COMPLETED, 1)
+                sig.add(RankSlot.COMPLETED, 1)
                 if job.op in (Op.EVICT, Op.LOAD):
-                    sig.add(R.BYTES_EVICTED if job.op is Op.EVICT else R.BYTES_LOADED, c.nbytes)
+                    sig.add(RankSlot.BYTES_EVICTED if job.op is Op.EVICT
+                            else RankSlot.BYTES_LOADED, c.nbytes)
             elif c.code != ErrorCode.CANCELLED:
-                sig.add(R.FAILED, 1)
+                sig.add(RankSlot.FAILED, 1)
             if c.code != ErrorCode.OK:
                 stats.error(c.code)
             timed = _HIST_INDEX.get(job.op)
@@ -328,7 +343,7 @@ class IoLoop:
         self._answer_pause_waiters()
 
     def _answer_pause_waiters(self) -> None:
-        if self._pause_waiters and self._rank.sig[R.INFLIGHT] == 0:
+        if self._pause_waiters and self._rank.sig[RankSlot.INFLIGHT] == 0:
             for job in self._pause_waiters:
                 self.reply(job.route, job.req_id, ErrorCode.OK)
             self._pause_waiters = []
@@ -336,6 +351,7 @@ class IoLoop:
     def close(self) -> None:
         """Close every socket and the context (after the loop and every worker ended)."""
         self._guard.close()
+        self._rings.close()
         signal.set_wakeup_fd(-1)
         self._sig_r.close()
         self._sig_w.close()

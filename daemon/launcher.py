@@ -44,7 +44,7 @@ from kvswap.client.monitor import rank_activity
 from kvswap.client.naming import Names
 from kvswap.client.protocol import Op, encode_request
 from kvswap.client.signals import (
-    H,
+    HeaderSlot,
     RankState,
     SignalSegment,
     create_semaphores,
@@ -210,7 +210,7 @@ class Launcher:
                     f"if no process of the namespace runs, remove its leftovers: "
                     f"rm -f /dev/shm/{self.names.prefix}* /dev/shm/sem.{self.names.prefix}*"
                 ) from None
-            pid = int(other.header[H.LAUNCHER_PID])
+            pid = int(other.header[HeaderSlot.LAUNCHER_PID])
             other.close()
             if pid and pid != os.getpid() and pid_alive(pid):
                 raise NamespaceError(
@@ -370,7 +370,7 @@ class Launcher:
             return "; ".join(f"rank {rp.rank} is FATAL after {rp.retries} failed restarts "
                              f"(log {self.names.log_path(rp.rank, self.log_dir)})"
                              for rp in fatal)
-        beat = int(self.seg.header[H.ENGINE_HEARTBEAT_NS])
+        beat = int(self.seg.header[HeaderSlot.ENGINE_HEARTBEAT_NS])
         if beat and self.cfg.engine_timeout_s > 0:
             age = (now_ns() - beat) / 1e9
             if age > self.cfg.engine_timeout_s:

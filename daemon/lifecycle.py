@@ -19,7 +19,14 @@ from functools import partial
 
 from kvswap.client.errors import ErrorCode, KvswapError, NotReady
 from kvswap.client.protocol import Op, Request
-from kvswap.client.signals import H, Barrier, KvCacheStatus, R, RankState, poll_until
+from kvswap.client.signals import (
+    Barrier,
+    HeaderSlot,
+    KvCacheStatus,
+    RankSlot,
+    RankState,
+    poll_until,
+)
 from kvswap.daemon.attachment import AttachmentSlot, Registrar
 from kvswap.daemon.exactly_once import ExactlyOnce
 from kvswap.daemon.io_loop import IoLoop
@@ -121,18 +128,18 @@ class Lifecycle:
         client that sees every rank READY (wait_ready) also sees NORMAL."""
         rank = self._rank
         if rank.index == 0 and rank.sm.state is RankState.ATTACHING:
-            rank.seg.header[H.KVCACHE_STATUS] = KvCacheStatus.NORMAL
+            rank.seg.header[HeaderSlot.KVCACHE_STATUS] = KvCacheStatus.NORMAL
         rank.sm.to(RankState.READY, only_from=frozenset({RankState.ATTACHING}))
 
     def run_clear(self, job: Job, req: Request | None) -> dict:
         """Drain, release the device mappings (and the pool if asked), barrier: every
         rank reports CLEARED before any answers."""
         rank, cfg = self._rank, self._rank.cfg
-        drained = poll_until(lambda: True if rank.sig[R.INFLIGHT] == 0 else None,
+        drained = poll_until(lambda: True if rank.sig[RankSlot.INFLIGHT] == 0 else None,
                              time.monotonic() + cfg.drain_timeout_s)
         if drained is None:
             rank.sm.fail(ErrorCode.RANK_TIMEOUT, "clear: tasks did not drain")
-            raise KvswapError(f"rank {rank.index}: {rank.sig[R.INFLIGHT]} task(s) still "
+            raise KvswapError(f"rank {rank.index}: {rank.sig[RankSlot.INFLIGHT]} task(s) still "
                               f"running after {cfg.drain_timeout_s:.0f}s",
                               ErrorCode.RANK_TIMEOUT)
         self._registrar.detach(free_host=bool(job.header.get("free_host")))
@@ -144,7 +151,7 @@ class Lifecycle:
         finally:
             barrier.close()
         if rank.index == 0:
-            rank.seg.header[H.KVCACHE_STATUS] = KvCacheStatus.CLEARED
+            rank.seg.header[HeaderSlot.KVCACHE_STATUS] = KvCacheStatus.CLEARED
         return {}
 
     # ---------------------------------------------------------------- I/O thread
@@ -155,7 +162,7 @@ class Lifecycle:
             raise NotReady(f"rank {rank.index} is {rank.sm.state.name}; clear needs READY or "
                            f"PAUSED")
         if rank.index == 0:
-            rank.seg.header[H.KVCACHE_STATUS] = KvCacheStatus.CLEARING
+            rank.seg.header[HeaderSlot.KVCACHE_STATUS] = KvCacheStatus.CLEARING
         self._control.put(job)
 
     def restore(self, job: Job, req: Request | None) -> dict:
@@ -187,7 +194,7 @@ class Lifecycle:
         return {}
 
     def ping(self, job: Job, req: Request | None) -> dict:
-        return {"state": self._rank.sm.state.name, "epoch": self._rank.sig[R.EPOCH],
+        return {"state": self._rank.sm.state.name, "epoch": self._rank.sig[RankSlot.EPOCH],
                 "pid": os.getpid()}
 
     def stats(self, job: Job, req: Request | None) -> dict:

@@ -29,11 +29,11 @@ import numpy as np
 from kvswap.client.auth import load_secret
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError
 from kvswap.client.protocol import Op, Request, decode_id_frame, first_duplicate
-from kvswap.client.signals import R
+from kvswap.client.signals import RankSlot
 from kvswap.client.ticket import Ticket, TicketRefused
 from kvswap.daemon.attachment import Attachment, AttachmentSlot
 from kvswap.daemon.exactly_once import ExactlyOnce
-from kvswap.daemon.jobs import Completion, Job, Origin
+from kvswap.daemon.jobs import Completion, Job
 from kvswap.daemon.peer import PeerRuntime, PoolView
 from kvswap.daemon.rank import RankContext
 from kvswap.daemon.scheduler import Task, TaskState
@@ -96,10 +96,8 @@ class PeerOps:
         """Check, journal and queue a ``peer_recv`` or ``peer_send``; a refusal changes
         nothing."""
         assert req is not None
-        self._rank.check_epoch(req.header)
-        self._rank.check_serving()
-        origin = Origin.of(req.header)
-        if origin.resent and self._exactly.answer_resent(job, origin):
+        origin = self._exactly.begin_admission(job, req.header)
+        if origin is None:
             return
         runtime = self._enabled()
         pool = self._pool(runtime)
@@ -134,7 +132,7 @@ class PeerOps:
             work = _Send(ticket, raw)
         att = self._slot.current
         assert att is not None  # READY implies attached
-        self._rank.sig.add(R.INFLIGHT, 1)
+        self._rank.sig.add(RankSlot.INFLIGHT, 1)
         with self._lock:  # a peer worker may take the task at once: it looks it up here
             task = att.scheduler.submit(job.op, _NO_DEVICE, host,
                                         priority=int(req.header.get("priority", 0)), ctx=job)

@@ -18,9 +18,9 @@ from kvswap.client.errors import ErrorCode, KvswapError, NotReady
 from kvswap.client.layer_progress import LayerProgress
 from kvswap.client.naming import Names
 from kvswap.client.signals import (
-    H,
-    R,
+    HeaderSlot,
     RankSignals,
+    RankSlot,
     RankState,
     SignalSegment,
     now_ns,
@@ -48,7 +48,7 @@ class RankContext:
         self.index = cfg.rank
         self.seg = seg
         self.sig = sig
-        self.epoch = int(sig[R.EPOCH])
+        self.epoch = int(sig[RankSlot.EPOCH])
         self.sm = StateMachine(sig)  # any thread; serialised by its own lock
         self.layers = LayerProgress(seg, cfg.rank)  # transfer workers (layer-wise loads)
         self.stats = seg.stats(cfg.rank)  # I/O thread (the single writer of task statistics)
@@ -66,18 +66,18 @@ class RankContext:
         if not 0 <= cfg.rank < cfg.tp_size:
             raise DaemonError(f"rank {cfg.rank} out of range for tp {cfg.tp_size}")
         sig = seg.rank(cfg.rank)
-        other = sig[R.PID]
+        other = sig[RankSlot.PID]
         if (seg.state_of(cfg.rank) in _LIVE_STATES and other and other != os.getpid()
                 and pid_alive(other)):
             raise DaemonError(f"rank {cfg.rank} of namespace {cfg.namespace!r} is already "
                               f"served by pid {other}")
-        sig[R.STATE] = RankState.ABSENT
-        sig[R.PID] = os.getpid()
-        sig.add(R.EPOCH, 1)
-        for f in (R.CACHE_READY, R.SWAP_READY, R.INFLIGHT, R.LAST_ERROR, R.SWAP_BYTES_TOTAL,
-                  R.SWAP_BYTES_PINNED):
+        sig[RankSlot.STATE] = RankState.ABSENT
+        sig[RankSlot.PID] = os.getpid()
+        sig.add(RankSlot.EPOCH, 1)
+        for f in (RankSlot.CACHE_READY, RankSlot.SWAP_READY, RankSlot.INFLIGHT, RankSlot.LAST_ERROR,
+                  RankSlot.SWAP_BYTES_TOTAL, RankSlot.SWAP_BYTES_PINNED):
             sig[f] = 0
-        sig[R.HEARTBEAT_NS] = now_ns()
+        sig[RankSlot.HEARTBEAT_NS] = now_ns()
         return cls(cfg, seg, sig)
 
     def check_serving(self) -> None:
@@ -104,7 +104,7 @@ class RankContext:
 
     def on_pin_progress(self, pinned: int) -> None:
         """Host swap space pinning progress (control thread, during attach)."""
-        self.sig[R.SWAP_BYTES_PINNED] = pinned
+        self.sig[RankSlot.SWAP_BYTES_PINNED] = pinned
 
     def orphaned(self) -> str | None:
         """Why this daemon has nobody left to serve, or None.
@@ -113,10 +113,10 @@ class RankContext:
         ``orphan_timeout_s`` (or never came).  Either one alone is not enough: an
         engine may outlive a crashed launcher, and a launcher may wait for an
         engine that is still loading."""
-        launcher = int(self.seg.header[H.LAUNCHER_PID])
+        launcher = int(self.seg.header[HeaderSlot.LAUNCHER_PID])
         if pid_alive(launcher):
             return None
-        beat = int(self.seg.header[H.ENGINE_HEARTBEAT_NS])
+        beat = int(self.seg.header[HeaderSlot.ENGINE_HEARTBEAT_NS])
         age = (now_ns() - beat) / 1e9 if beat else None
         if age is not None and age <= self.cfg.orphan_timeout_s:
             return None
@@ -151,7 +151,7 @@ class Heartbeat:
     def _beat(self) -> None:
         next_orphan_check = 0.0
         while not self._stop.is_set():
-            self._rank.sig[R.HEARTBEAT_NS] = now_ns()
+            self._rank.sig[RankSlot.HEARTBEAT_NS] = now_ns()
             self._trimmer.maybe()
             if time.monotonic() >= next_orphan_check:
                 next_orphan_check = time.monotonic() + 1.0

@@ -23,6 +23,13 @@ Cancellation removes a task that has not started; its dependents are released
 as if it had finished (it changed nothing).  A task that has started always
 completes.
 
+An *agreed* op (``OpSpec.agreed``: a prefetch, whose count every rank agrees
+on) also waits for the previous agreed op, blocks or not.  The ranks' storage
+workers then enter the agreements in the order the tasks were admitted, the same
+on every rank for one client; otherwise a rank could take a later prefetch
+first (another became ready sooner, or had a higher priority) and wait in its
+agreement while its peer waits in the earlier one's, both until the timeout.
+
 A *held* op (``OpSpec.held``: a peer receive) stays RUNNING after its worker
 returns: its host blocks are written by another node, so the daemon calls
 :meth:`Scheduler.finish` when the bytes have landed, or the receive was
@@ -109,6 +116,7 @@ class Scheduler:
         self._dev_last = np.full(num_device_blocks, -1, dtype=np.int64)
         self._host_last = np.full(num_host_blocks, -1, dtype=np.int64)
         self._live: dict[int, Task] = {}  # seq -> task not yet DONE/CANCELLED
+        self._agreed_last = -1  # seq of the last admitted ``OpSpec.agreed`` task
         self._ready: dict[Op, list[tuple[tuple[int, int], Task]]] = {
             op: [] for ops in LANES.values() for op in ops}
         self._seq = 0
@@ -144,6 +152,9 @@ class Scheduler:
                 # with the oldest of them leaves a handful of values to deduplicate.
                 oldest = min(self._live) if self._live else self._seq
                 earlier = set(np.unique(prev[prev >= oldest]).tolist())
+            if OPS[op].agreed:  # after the previous one, whatever its blocks
+                earlier.add(self._agreed_last)
+                self._agreed_last = task.seq
             for s in earlier:
                 before = self._live.get(s)
                 if before is not None:

@@ -18,7 +18,7 @@ import logging
 import threading
 
 from kvswap.client.errors import ErrorCode
-from kvswap.client.signals import R, RankSignals, RankState
+from kvswap.client.signals import RankSignals, RankSlot, RankState
 
 log = logging.getLogger("kvswap.daemon.state")
 
@@ -57,7 +57,7 @@ class StateMachine:
             if new not in TRANSITIONS[cur]:
                 raise RuntimeError(f"illegal rank state transition {cur.name} -> {new.name}")
             self._state = new
-            self._sig[R.STATE] = new
+            self._sig[RankSlot.STATE] = new
         log.info("state %s -> %s", cur.name, new.name)
         return True
 
@@ -66,13 +66,13 @@ class StateMachine:
         FAILED rank keeps the code it failed with, which is what an operator needs."""
         with self._lock:
             if self._state is not RankState.FAILED:
-                self._sig[R.LAST_ERROR] = int(code)
+                self._sig[RankSlot.LAST_ERROR] = int(code)
 
     def fail(self, code: ErrorCode, why: str) -> None:
         with self._lock:
-            self._sig[R.LAST_ERROR] = int(code)
+            self._sig[RankSlot.LAST_ERROR] = int(code)
             cur = self._state
             if cur not in (RankState.FAILED, RankState.STOPPED):
                 self._state = RankState.FAILED
-                self._sig[R.STATE] = RankState.FAILED
+                self._sig[RankSlot.STATE] = RankState.FAILED
         log.error("FAILED [%d %s]: %s", int(code), code.name, why)

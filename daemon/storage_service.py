@@ -26,9 +26,9 @@ from kvswap.client.protocol import (
     decode_keys,
     validate_storage,
 )
-from kvswap.client.signals import R
+from kvswap.client.signals import RankSlot
 from kvswap.daemon.exactly_once import ExactlyOnce
-from kvswap.daemon.jobs import Completion, Job, Origin
+from kvswap.daemon.jobs import Completion, Job
 from kvswap.daemon.journal import JOURNALED_OPS
 from kvswap.daemon.rank import RankContext
 from kvswap.daemon.scheduler import Task
@@ -100,10 +100,8 @@ class StorageService:
     def admit(self, job: Job, req: Request | None) -> None:
         assert req is not None
         rank = self._rank
-        rank.check_epoch(req.header)
-        rank.check_serving()
-        origin = Origin.of(req.header)
-        if req.op in JOURNALED_OPS and origin.resent and self._exactly.answer_resent(job, origin):
+        origin = self._exactly.begin_admission(job, req.header)
+        if origin is None:
             return
         if not rank.cfg.storage_url:
             raise KvswapError(f"rank {rank.index} has no storage tier (kvswapd --storage URL)",
@@ -128,7 +126,7 @@ class StorageService:
         no_devices = np.empty(0, dtype=np.int64)
         if req.op in JOURNALED_OPS:  # exists changes nothing: running it twice is harmless
             self._exactly.admit(job, origin, no_devices, host, keys=job.keys)
-        rank.sig.add(R.INFLIGHT, 1)
+        rank.sig.add(RankSlot.INFLIGHT, 1)
         att.scheduler.submit(req.op, no_devices, host,
                              priority=int(req.header.get("priority", 0)), ctx=job)
 

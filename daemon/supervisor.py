@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from kvswap.client.signals import R, RankState, SignalSegment
+from kvswap.client.signals import RankSlot, RankState, SignalSegment
 from kvswap.daemon.options import Options, at_least, option, positive
 
 log = logging.getLogger("kvswap.supervisor")
@@ -108,7 +108,7 @@ class Supervisor:
                     continue
                 # The slot's heartbeat is this process's only once it published its pid
                 # (until then it is the dead predecessor's).
-                own = int(self.seg.ranks[rp.rank, R.PID]) == rp.proc.pid
+                own = int(self.seg.ranks[rp.rank, RankSlot.PID]) == rp.proc.pid
                 age = self.seg.heartbeat_age_s(rp.rank) if own else None
                 stopping = self.seg.state_of(rp.rank) in (RankState.STOPPING, RankState.STOPPED)
                 if age is not None and age > self.cfg.stale_after_s and not stopping:

@@ -24,7 +24,7 @@ from kvswap.client.protocol import (
     decode_transfer,
     validate_transfer,
 )
-from kvswap.client.signals import R
+from kvswap.client.signals import RankSlot
 from kvswap.daemon import crashpoints
 from kvswap.daemon.attachment import Attachment, AttachmentSlot
 from kvswap.daemon.backend import Backend
@@ -55,10 +55,8 @@ class Transfers:
     # ---------------------------------------------------------------- I/O thread
     def admit(self, job: Job, req: Request | None) -> None:
         assert req is not None
-        self._rank.check_epoch(req.header)
-        self._rank.check_serving()
-        origin = Origin.of(req.header)
-        if origin.resent and self._exactly.answer_resent(job, origin):
+        origin = self._exactly.begin_admission(job, req.header)
+        if origin is None:
             return
         dev, host = decode_transfer(req)
         self._submit(job, dev, host, req.header, origin)
@@ -93,7 +91,7 @@ class Transfers:
         if layerwise and job.op is not Op.LOAD:
             raise InvalidTask("layerwise applies to load only", ErrorCode.BAD_FIELD)
         self._exactly.admit(job, origin, dev, host, layerwise=layerwise)
-        self._rank.sig.add(R.INFLIGHT, 1)
+        self._rank.sig.add(RankSlot.INFLIGHT, 1)
         small = dev.shape[0] * att.block_bytes <= self._rank.cfg.inline_max_bytes
         task = att.scheduler.submit(job.op, dev, host, priority=int(fields.get("priority", 0)),
                                     layerwise=layerwise, ctx=job,

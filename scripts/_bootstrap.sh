@@ -15,7 +15,7 @@ kvswap_bootstrap() {
     # or the extras differ from last time.
     local stamp="$venv/.kvswap-installed"
     local want
-    want="$(cat "$root/pyproject.toml" "$root/setup.py" "$root"/kernels/*.c | sha256sum | cut -c1-16) ${extras}"
+    want="$(cat "$root/pyproject.toml" "$root/setup.py" "$root"/kernels/*.c "$root"/client/*.c | sha256sum | cut -c1-16) ${extras}"
     if [ ! -f "$stamp" ] || ! grep -qxF "$want" "$stamp"; then
         local spec="$root"
         [ -n "$extras" ] && spec="$root[$extras]"

@@ -9,9 +9,9 @@ import pytest
 
 from kvswap.client.errors import BarrierAborted, BarrierTimeout, ErrorCode, KvswapError
 from kvswap.client.signals import (
-    A,
+    AgreeSlot,
     AgreeState,
-    R,
+    RankSlot,
     SignalSegment,
     create_semaphores,
     now_ns,
@@ -27,7 +27,7 @@ def ranks(namespaces):
     seg = SignalSegment.create(names, 2)
     create_semaphores(names, 2)
     for r in range(2):
-        seg.rank(r)[R.HEARTBEAT_NS] = now_ns()
+        seg.rank(r)[RankSlot.HEARTBEAT_NS] = now_ns()
     ags = [Agreement(seg, r, stale_after_s=60) for r in range(2)]
     yield seg, ags
     for a in ags:
@@ -70,8 +70,9 @@ def test_timeout_names_the_missing_rank_and_aborts_later_rounds(ranks):
     with pytest.raises(BarrierTimeout, match="rank\\(s\\) 1"):
         a0.agree(11, 0, 4, 0.2, last_round=1)
     assert time.monotonic() - t0 < 5
-    rounds = {(int(e[A.TASK_ID]), int(e[A.ROUND])): AgreeState(int(e[A.STATE]))
-              for e in seg.agree[0] if int(e[A.TASK_ID])}
+    rounds = {(int(e[AgreeSlot.TASK_ID]), int(e[AgreeSlot.ROUND])):
+              AgreeState(int(e[AgreeSlot.STATE]))
+              for e in seg.agree[0] if int(e[AgreeSlot.TASK_ID])}
     assert rounds == {(11, 0): AgreeState.ABORTED, (11, 1): AgreeState.ABORTED}
 
 
@@ -132,7 +133,7 @@ def test_cancel_is_ignored_once_the_last_round_is_posted(ranks):
 
     t = threading.Thread(target=r0)
     t.start()
-    assert poll_until(lambda: True if any(int(e[A.TASK_ID]) == 14 for e in seg.agree[0])
+    assert poll_until(lambda: True if any(int(e[AgreeSlot.TASK_ID]) == 14 for e in seg.agree[0])
                       else None, time.monotonic() + 10)  # rank 0 has posted
     cancel.set()
     out[1] = a1.agree(14, 1, 8, 10, last_round=1)

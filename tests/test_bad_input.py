@@ -33,7 +33,7 @@ from kvswap.client.protocol import (
     request_header,
     validate_storage,
 )
-from kvswap.client.signals import R, RankState, poll_until
+from kvswap.client.signals import RankSlot, RankState, poll_until
 from kvswap.daemon.launcher import LaunchConfig, Launcher
 
 from conftest import free_port
@@ -67,7 +67,7 @@ class Target:
     def assert_serving(self) -> None:
         """Same process, alive, and a ping from the earlier client answered within 2 s."""
         assert self.launcher.procs[0].poll() is None, "the daemon exited"
-        assert int(self.launcher.seg.ranks[0, R.PID]) == self.pid
+        assert int(self.launcher.seg.ranks[0, RankSlot.PID]) == self.pid
         t0 = time.monotonic()
         reply = self.client.ping().result(2.0).replies[0]
         assert time.monotonic() - t0 < 2.0
@@ -307,7 +307,7 @@ def test_connection_flood_is_refused_not_fatal(namespaces):
             flood.wait(30)
     with TransferClient(names.namespace, 1, run_root=str(names.run_root)) as late:
         assert late.ping().result(10).replies[0].fields["pid"] == pid
-    assert int(launcher.seg.ranks[0, R.PID]) == pid
+    assert int(launcher.seg.ranks[0, RankSlot.PID]) == pid
 
 
 # ------------------------------------------------------------------ register
@@ -360,7 +360,7 @@ def test_register_sent_again_while_the_first_runs_is_answered_when_it_ends(names
                                              "host_pool_kept": False}
         launcher.wait_ready(30)
         assert "repeats the one being attached" in names.log_path(0).read_text()
-        assert int(launcher.seg.ranks[0, R.FAILED]) == 0
+        assert int(launcher.seg.ranks[0, RankSlot.FAILED]) == 0
 
 
 def test_register_past_max_device_blocks_is_refused_with_the_flag(namespaces):

@@ -28,7 +28,7 @@ PROVENANCE = re.compile(
     r"^Measured at commit `(?P<commit>[0-9a-f]{7,}(?P<dirty>\+dirty)?)`, "
     r"\d{4}-\d\d-\d\d \d\d:\d\d UTC, on (?P<machine>.+, \d+ CPUs, \d+ GiB, Python [\d.]+); "
     r"load average [\d.]+ at the start\. Commands: (?P<commands>.+?)\.(?P<rest>.*)$")
-TARGET = re.compile(r"^(>=|<=) -?[\d.]+( tasks/s)?$")
+TARGET = re.compile(r"^(>=|<=) -?[\d.]+( tasks/s| µs)?$")
 _LEFTOVER = re.compile(r"bench-(\d+)-")
 
 
@@ -147,8 +147,8 @@ def _never(quick: bool) -> bench_all.Measured:
     (lambda t: re.sub(r"<!-- generated: bench-data -->\n.*?<!-- end: bench-data -->\n", "", t,
                       flags=re.S),
      "no block for '<!-- generated: bench-data -->'"),
-    (lambda t: t + "\n<!-- generated: bench-peer -->\n<!-- end: bench-peer -->\n",
-     "block(s) bench-peer belong to no section"),
+    (lambda t: t + "\n<!-- generated: bench-nosuch -->\n<!-- end: bench-nosuch -->\n",
+     "block(s) bench-nosuch belong to no section"),
     (lambda t: t.replace("<!-- generated: bench-tasks -->\n", ""),
      "'<!-- end: bench-tasks -->' without '<!-- generated: bench-tasks -->' before it"),
 ])
@@ -211,13 +211,15 @@ def test_control_targets_and_tp1_only_throughput_target():
            "baseline_p50_us": 1800.0, "p50_vs_floor": 1.5, "baseline_vs_kvswap_p50": 6.0,
            "kvswap_tasks_per_s": 25000, "floor_tasks_per_s": 50000,
            "baseline_tasks_per_s": 900, "kvswap_cpu_us": 1, "floor_cpu_us": 1,
-           "baseline_cpu_us": 1, "tasks_per_system": 10}
+           "baseline_cpu_us": 1, "tasks_per_system": 10, "path": "ring", "engine_cpu_us": 70}
     lines = bench_all.render_control({"control": [
         {**row, "tp": 1}, {**row, "tp": 2, "p50_vs_floor": 2.5, "baseline_vs_kvswap_p50": 4.0}]})
     (lat_head, *lat), (thr_head, *thr) = _tables("\n".join(lines))
     assert [r[5:8] for r in lat] == [["1.5", "<= 2", "met"], ["2.5", "<= 2", "not met"]]
     assert [r[8:11] for r in lat] == [["6.0", ">= 5", "met"], ["4.0", ">= 5", "not met"]]
     assert [r[4:7] for r in thr] == [["0.5", ">= 20000 tasks/s", "met"], ["0.5", "none", "–"]]
+    assert [r[11:15] for r in thr] == [["ring", "70", "<= 80 µs", "met"],
+                                       ["ring", "70", "none", "–"]]
 
 
 def test_gpu_table_reads_the_rows_bench_gpu_writes(monkeypatch):

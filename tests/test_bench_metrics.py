@@ -30,7 +30,7 @@ CONTROL_KEYS = {"tp", "kvswap_p50_us", "kvswap_p99_us", "floor_p50_us", "floor_p
                 "baseline_p50_us", "baseline_p99_us", "kvswap_cpu_us", "floor_cpu_us",
                 "baseline_cpu_us", "kvswap_tasks_per_s", "floor_tasks_per_s",
                 "baseline_tasks_per_s", "p50_vs_floor", "baseline_vs_kvswap_p50",
-                "tasks_per_system"}
+                "tasks_per_system", "path", "engine_cpu_us", "tasks_vs_floor"}
 DATA_KEYS = {"block_bytes", "op", "tp", "blocks", "runs", "task_bytes", "kvswap_gbps",
              "kvswap_exec_gbps", "memcpy_gbps", "ratio", "exec_ratio"}
 
@@ -66,6 +66,10 @@ def test_control_bench_schema_and_task_counts():
             assert 0 < row[f"{name}_p50_us"] <= row[f"{name}_p99_us"]
             assert row[f"{name}_cpu_us"] >= 0  # clock ticks: may round to 0 on 10 samples
             assert row[f"{name}_tasks_per_s"] > 0
+        assert row["path"] == "ring"  # the default on ipc://, every rank on its rings
+        assert 0 <= row["engine_cpu_us"] <= row["kvswap_cpu_us"] + 1
+        assert row["tasks_vs_floor"] == pytest.approx(
+            row["kvswap_tasks_per_s"] / row["floor_tasks_per_s"], abs=0.02)
         assert row["p50_vs_floor"] == pytest.approx(
             row["kvswap_p50_us"] / row["floor_p50_us"], abs=0.02)
         assert row["baseline_vs_kvswap_p50"] == pytest.approx(

@@ -44,8 +44,9 @@ from kvswap.client.protocol import (
     request_header,
     transfer_message,
 )
-from kvswap.client.signals import R, RankState, poll_until
+from kvswap.client.signals import RankSlot, RankState, poll_until
 from kvswap.client.transfer_client import TransferFuture, _Dispatcher, _Envelope
+from kvswap.client.transport import Channel
 from kvswap.daemon.supervisor import SupervisorConfig
 
 from conftest import SMALL_LAYOUT, wait_for_state
@@ -109,8 +110,8 @@ def test_every_bad_argument_raises_in_the_caller_and_sends_nothing(namespaces):
             with pytest.raises(InvalidTask, match=match) as ei:
                 call()
             assert isinstance(ei.value, ValueError)
-        assert launcher.seg.ranks[:, R.COMPLETED].tolist() == [0, 0]  # nothing was sent
-        assert launcher.seg.ranks[:, R.FAILED].tolist() == [0, 0]
+        assert launcher.seg.ranks[:, RankSlot.COMPLETED].tolist() == [0, 0]  # nothing was sent
+        assert launcher.seg.ranks[:, RankSlot.FAILED].tolist() == [0, 0]
         # the bounds themselves pass through msgpack and the daemons
         extremes = [client.evict([2], [2], priority=2**63 - 1),
                     client.load([2], [3], priority=-2**63, layerwise=np.bool_(True)),
@@ -171,7 +172,7 @@ def test_a_batch_of_45000_tasks_is_answered_promptly(namespaces):
         elapsed = time.monotonic() - t0
         assert [r.task_id for r in results] == [f.task_id for f in futs]
         assert all(r.replies[0].ok for r in results)
-        assert int(launcher.seg.ranks[0, R.COMPLETED]) == 45000
+        assert int(launcher.seg.ranks[0, RankSlot.COMPLETED]) == 45000
         assert elapsed < 30, f"45,000 tasks took {elapsed:.1f}s"
         print(f"\n45,000 one-block tasks in one submit_batch: {elapsed:.2f}s")
     finally:
@@ -195,7 +196,7 @@ def test_an_oversized_message_fails_at_once_not_at_its_deadline(namespaces, monk
             assert ei.value.code == ErrorCode.MESSAGE_TOO_LARGE
         assert "exceeds the limits of one message" in str(ei.value)
         assert time.monotonic() - t0 < 20  # not the 60 s deadline
-        assert int(launcher.seg.ranks[0, R.FAILED]) == 0  # never reached the daemon
+        assert int(launcher.seg.ranks[0, RankSlot.FAILED]) == 0  # never reached the daemon
         assert client.evict([1], [1]).result(10)
     finally:
         client.close()
@@ -342,10 +343,10 @@ def test_concurrent_submitters_survive_repeated_kill_9(namespaces, monkeypatch, 
                 rank = kill % 2
                 target = len(futures) + 150
                 _until(lambda: len(futures) >= target, 30, "submissions")
-                epoch = int(launcher.seg.ranks[rank, R.EPOCH])
+                epoch = int(launcher.seg.ranks[rank, RankSlot.EPOCH])
                 os.kill(launcher.procs[rank].pid, signal.SIGKILL)
                 kills += 1
-                _until(lambda: int(launcher.seg.ranks[rank, R.EPOCH]) > epoch
+                _until(lambda: int(launcher.seg.ranks[rank, RankSlot.EPOCH]) > epoch
                        and launcher.seg.state_of(rank) == RankState.READY, 30, "restart")
             target = len(futures) + 150  # traffic after the last restart, too
             _until(lambda: len(futures) >= target, 30, "submissions")
@@ -376,18 +377,24 @@ def test_concurrent_submitters_survive_repeated_kill_9(namespaces, monkeypatch, 
 
 
 class Wire:
-    """A fake transmit: what the I/O thread would send, as (rank, header, id frames)."""
+    """A fake wire (ZeroMQ only): what the dispatcher sends, as (rank, header, id frames)."""
 
     def __init__(self):
         self.sent: list[tuple[int, dict, list]] = []
         self.fail_id: int | None = None
 
-    def __call__(self, frames, ranks):
+    def channel(self, frames, rank):
+        return Channel.ZMQ
+
+    def send(self, frames, rank, channel):
         header = msgpack.unpackb(frames[0], raw=False)
         if header["id"] == self.fail_id:
             raise RuntimeError("injected transmit fault")
-        for r in ranks:
-            self.sent.append((r, header, frames[1:]))
+        self.sent.append((rank, header, frames[1:]))
+        return True
+
+    def reconnect(self, rank):
+        pass
 
     def take(self, rank: int | None = None) -> list[dict]:
         """Headers sent (to ``rank``) since the last take, in send order."""

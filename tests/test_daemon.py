@@ -17,7 +17,7 @@ from kvswap.client.protocol import (
     packb,
 )
 from kvswap.client.shm_region import ShmRegion
-from kvswap.client.signals import R, RankState
+from kvswap.client.signals import RankSlot, RankState
 from kvswap.daemon.swap_space import SwapLayout
 
 from conftest import SMALL_LAYOUT, RawPeer, wait_for_state
@@ -86,17 +86,17 @@ BAD_REQUESTS = [
 def test_bad_request_rejected_then_daemon_serves(daemon, what, frames, code):
     launcher, peer = daemon
     seg = launcher.seg
-    failed_before = int(seg.ranks[0, R.FAILED])
+    failed_before = int(seg.ranks[0, RankSlot.FAILED])
     by_code_before = seg.snapshot()["ranks"][0]["errors"].get(code.name, 0)
     r = peer.ask(frames)
     assert not r.ok
     assert r.code == code, f"{what}: got {r.code.name}: {r.message}"
     assert r.rank == 0 and r.message
-    assert int(seg.ranks[0, R.FAILED]) == failed_before + 1
+    assert int(seg.ranks[0, RankSlot.FAILED]) == failed_before + 1
     assert seg.snapshot()["ranks"][0]["errors"][code.name] == by_code_before + 1
     _valid_evict(peer)
     assert seg.state_of(0) == RankState.READY
-    assert int(seg.ranks[0, R.COMPLETED]) >= 1
+    assert int(seg.ranks[0, RankSlot.COMPLETED]) >= 1
 
 
 def test_reply_keeps_the_request_id_when_readable(daemon):
@@ -201,7 +201,7 @@ def test_unsupported_message_does_not_kill_a_busy_daemon(daemon):
         assert not r.ok
         _valid_evict(peer, 2000 + i)
     assert launcher.procs[0].poll() is None
-    assert int(launcher.seg.ranks[0, R.COMPLETED]) == len(garbage)
+    assert int(launcher.seg.ranks[0, RankSlot.COMPLETED]) == len(garbage)
 
 
 def test_msgpack_reply_is_a_map(daemon):

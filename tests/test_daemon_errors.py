@@ -14,7 +14,7 @@ from kvswap.client import ErrorCode, TransferClient, TransferFailed
 from kvswap.client.block_keys import block_hashes, entry_name, model_fingerprint
 from kvswap.client.layout import TensorDesc, demo_layout, layout_hash
 from kvswap.client.protocol import KEY_BYTES, Op, encode_request, packb
-from kvswap.client.signals import R, RankState, poll_until
+from kvswap.client.signals import RankSlot, RankState, poll_until
 from kvswap.daemon.logs import LINE
 from kvswap.daemon.storage.file import shard_of
 
@@ -35,12 +35,12 @@ def peer(namespaces):
 
 def test_a_rejected_request_leaves_its_code_in_last_error(peer):
     launcher, p = peer
-    assert launcher.seg.ranks[0, R.LAST_ERROR] == 0
+    assert launcher.seg.ranks[0, RankSlot.LAST_ERROR] == 0
     assert p.ask([packb({"v": [99, 0], "id": 1, "op": "ping"})]).code == \
         ErrorCode.VERSION_MISMATCH
-    assert launcher.seg.ranks[0, R.LAST_ERROR] == ErrorCode.VERSION_MISMATCH
+    assert launcher.seg.ranks[0, RankSlot.LAST_ERROR] == ErrorCode.VERSION_MISMATCH
     assert p.ask(encode_request(Op.PING, 2)).code == ErrorCode.OK  # success changes nothing
-    assert launcher.seg.ranks[0, R.LAST_ERROR] == ErrorCode.VERSION_MISMATCH
+    assert launcher.seg.ranks[0, RankSlot.LAST_ERROR] == ErrorCode.VERSION_MISMATCH
 
 
 def test_values_a_peer_sends_cannot_forge_or_flood_a_log_line(peer):
@@ -65,7 +65,7 @@ def test_a_demo_register_that_fails_makes_the_rank_failed(namespaces):
     failed = poll_until(lambda: True if seg.state_of(0) == RankState.FAILED else None,
                         time.monotonic() + 30)
     assert failed, f"rank 0 is {seg.state_of(0).name}, not FAILED"
-    assert seg.ranks[0, R.LAST_ERROR] == ErrorCode.BAD_LAYOUT
+    assert seg.ranks[0, RankSlot.LAST_ERROR] == ErrorCode.BAD_LAYOUT
     log = launcher.names.log_path(0).read_text()
     assert "internal register 0 failed: [" in log and "--max-device-blocks" in log
 
@@ -110,8 +110,8 @@ def test_a_rank_whose_store_fails_aborts_the_prefetch_on_every_rank(namespaces, 
         assert codes[1] == ErrorCode.STORAGE_ERROR
         assert codes[0] == ErrorCode.BARRIER_ABORTED
         # a failed task leaves its code in last_error too
-        assert launcher.seg.ranks[1, R.LAST_ERROR] == ErrorCode.STORAGE_ERROR
-        assert launcher.seg.ranks[0, R.LAST_ERROR] == ErrorCode.BARRIER_ABORTED
+        assert launcher.seg.ranks[1, RankSlot.LAST_ERROR] == ErrorCode.STORAGE_ERROR
+        assert launcher.seg.ranks[0, RankSlot.LAST_ERROR] == ErrorCode.BARRIER_ABORTED
         entry.rmdir()
         assert client.evict([3], [3]).result(10)  # both ranks still serve
     finally:

@@ -32,7 +32,7 @@ import pytest
 
 from kvswap.client import TransferClient, TransferSpec
 from kvswap.client.layout import TensorDesc, demo_layout
-from kvswap.client.signals import R, RankState, poll_until
+from kvswap.client.signals import RankSlot, RankState, poll_until
 from kvswap.daemon.crashpoints import POINTS
 from kvswap.daemon.demo import RankView, pattern
 from kvswap.daemon.supervisor import SupervisorConfig
@@ -65,14 +65,15 @@ class Round:
 class Workload:
     """Per-client rounds over disjoint block spans, with a model of every tag."""
 
-    def __init__(self, launcher, clients: int, tp: int):
+    def __init__(self, launcher, clients: int, tp: int, path: str | None = None):
         self.launcher = launcher
         self.tp = tp
         tensors = [TensorDesc(t.name, t.layer, t.dtype, t.shape) for t in demo_layout(LAYOUT)]
         self.tensors = tensors
         self.views = [RankView(launcher.names, r, tensors, HOST) for r in range(tp)]
         self.clients = [TransferClient(launcher.names.namespace, tp,
-                                       run_root=str(launcher.names.run_root), task_timeout=60)
+                                       run_root=str(launcher.names.run_root), task_timeout=60,
+                                       path=path)
                         for _ in range(clients)]
         for c in self.clients:
             c.wait_ready(30)
@@ -141,11 +142,11 @@ class Workload:
 
 
 def _wait_restarted(launcher, rank: int, epoch: int) -> None:
-    ok = poll_until(lambda: True if (int(launcher.seg.ranks[rank, R.EPOCH]) > epoch and
+    ok = poll_until(lambda: True if (int(launcher.seg.ranks[rank, RankSlot.EPOCH]) > epoch and
                                      launcher.seg.state_of(rank) == RankState.READY) else None,
                     time.monotonic() + 30)
     assert ok, (f"rank {rank} did not come back READY after epoch {epoch}: "
-                f"{launcher.progress()}, epoch {int(launcher.seg.ranks[rank, R.EPOCH])}, "
+                f"{launcher.progress()}, epoch {int(launcher.seg.ranks[rank, RankSlot.EPOCH])}, "
                 f"log: {launcher.names.log_path(rank, launcher.log_dir).read_text()[-3000:]}")
 
 
@@ -154,19 +155,24 @@ def _launch(namespaces, tp: int):
                              supervision=SupervisorConfig(backoff_s=0.05, reset_after_s=0.2))
 
 
+@pytest.mark.parametrize("path", ["ring", "zmq"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_kill_the_moment_b_is_acknowledged(namespaces, tp):
-    """The reproduction of issue #12, kill -9 in B's done-callback, several times."""
+def test_kill_the_moment_b_is_acknowledged(namespaces, tp, path):
+    """The reproduction of issue #12, kill -9 in B's done-callback, several times, over
+    the shared-memory rings and over ZeroMQ."""
     kills = int(os.environ.get("KVSWAP_STRESS_ROUNDS", "3"))
     launcher = _launch(namespaces, tp)
-    work = Workload(launcher, clients=1, tp=tp)
+    work = Workload(launcher, clients=1, tp=tp, path=path)
+    if path == "ring":
+        assert work.clients[0].ping().result(10)
+        assert all(p is not None for p in work.clients[0]._wire.rings), "rings not in use"
     rng = random.Random(tp)
     raced = 0
     try:
         with Supervising(launcher) as sup:
             for i in range(kills):
                 rank = rng.randrange(tp)
-                epoch = int(launcher.seg.ranks[rank, R.EPOCH])
+                epoch = int(launcher.seg.ranks[rank, RankSlot.EPOCH])
                 pid = launcher.procs[rank].pid
                 killed = threading.Event()
 
@@ -194,21 +200,23 @@ def test_crash_point(namespaces, monkeypatch, point, tp, clients):
     """SIGKILL at a chosen point inside the daemon, during a round of every client."""
     # Land the crash in the first round.  Replies and records pass once per task (51 per
     # round and client); copies once per copy pass, and merging can fold the batch's 48
-    # tasks into one pass, so only 4 passes a round are certain (seed, A, B, batch).
-    n = random.Random(f"{point}{tp}").randint(1, 4 if point.startswith("copy") else 40)
+    # tasks into one pass, so only 4 passes a round are certain (seed, A, B, batch); the
+    # first client's four messages of a round (the same four) are read off its rings.
+    few = point.startswith("copy") or point == "ring.read"
+    n = random.Random(f"{point}{tp}").randint(1, 4 if few else 40)
     monkeypatch.setenv("KVSWAP_CRASH_AT", f"{point}:{n}")
     launcher = _launch(namespaces, tp)
     monkeypatch.delenv("KVSWAP_CRASH_AT")
     work = Workload(launcher, clients=clients, tp=tp)
     try:
         with Supervising(launcher) as sup:
-            epochs = [int(launcher.seg.ranks[r, R.EPOCH]) for r in range(tp)]
+            epochs = [int(launcher.seg.ranks[r, RankSlot.EPOCH]) for r in range(tp)]
             rounds = [work.start_round(k) for k in range(clients)]
             marker = launcher.names.run_dir / f"crashed-at-{point}"
             fired = poll_until(lambda: True if marker.exists() else None, time.monotonic() + 60)
             assert fired, f"the daemon never reached {point} #{n}"
             crashed = [r for r in range(tp) if launcher.procs[r].poll() is not None
-                       or int(launcher.seg.ranks[r, R.EPOCH]) > epochs[r]]
+                       or int(launcher.seg.ranks[r, RankSlot.EPOCH]) > epochs[r]]
             for rank in crashed:
                 _wait_restarted(launcher, rank, epochs[rank])
             for rnd in rounds:

@@ -24,7 +24,14 @@ from kvswap.client import (
 )
 from kvswap.client.layout import TensorDesc, demo_layout
 from kvswap.client.naming import Names
-from kvswap.client.signals import H, KvCacheStatus, R, RankState, SignalSegment, poll_until
+from kvswap.client.signals import (
+    HeaderSlot,
+    KvCacheStatus,
+    RankSlot,
+    RankState,
+    SignalSegment,
+    poll_until,
+)
 from kvswap.daemon.demo import RankView, pattern
 from kvswap.daemon.launcher import sweep_namespace
 from kvswap.daemon.supervisor import ProcState, SupervisorConfig
@@ -121,10 +128,10 @@ def test_kill_9_under_load_loses_nothing(namespaces):
                 if not any(t.is_alive() for t in threads):
                     break
                 rank = rng.randrange(2)
-                epoch = int(launcher.seg.ranks[rank, R.EPOCH])
+                epoch = int(launcher.seg.ranks[rank, RankSlot.EPOCH])
                 os.kill(launcher.procs[rank].pid, signal.SIGKILL)
                 crashes += 1
-                _until(lambda: int(launcher.seg.ranks[rank, R.EPOCH]) > epoch
+                _until(lambda: int(launcher.seg.ranks[rank, RankSlot.EPOCH]) > epoch
                        and launcher.seg.state_of(rank) == RankState.READY, 30, "restart")
             for t in threads:
                 t.join(120)
@@ -163,7 +170,7 @@ def test_silent_daemon_is_replaced_and_every_inflight_task_is_resent_in_order(na
             b = client.load([2], [5])  # overlaps a (host block 2): must run after it
             c = client.evict([9], [9])  # independent
             assert all(f.result(30).replies[0].ok for f in (a, b, c))
-        assert int(launcher.seg.ranks[0, R.EPOCH]) == 2
+        assert int(launcher.seg.ranks[0, RankSlot.EPOCH]) == 2
         assert client.retried == 3
         for ti in range(len(tensors)):  # b loaded what a evicted: device block 5 = block 2
             assert np.array_equal(view.device[ti][5], view.device[ti][2])
@@ -185,7 +192,7 @@ def test_batch_in_flight_at_a_restart_is_resent_whole(namespaces):
                                         TransferSpec.load([3], [4])])
             results = [f.result(30) for f in futs]  # re-sent inside the batch after restart
         assert all(r.replies[0].ok for r in results)
-        assert int(launcher.seg.ranks[0, R.EPOCH]) == 2
+        assert int(launcher.seg.ranks[0, RankSlot.EPOCH]) == 2
         assert client.retried == 1  # the batch message, once
     finally:
         client.close()
@@ -215,7 +222,7 @@ def test_restarted_daemon_reattaches_worker_caches_without_the_worker(namespaces
             client.evict([3], [5]).result(10)
             with Supervising(launcher):
                 os.kill(launcher.procs[0].pid, signal.SIGKILL)
-                _until(lambda: int(launcher.seg.ranks[0, R.EPOCH]) == 2
+                _until(lambda: int(launcher.seg.ranks[0, RankSlot.EPOCH]) == 2
                        and launcher.seg.state_of(0) == RankState.READY, 30, "restart")
             client.load([5], [0]).result(10)  # host block 5 survived the crash
             assert (k[0] == 3).all()
@@ -279,7 +286,7 @@ def test_orphaned_daemons_exit_cleanly(run_root):
         else:
             pytest.fail("kvswap launch exited before READY")
         seg = SignalSegment.attach(names, readonly=True)
-        pids = [int(seg.ranks[r, R.PID]) for r in range(2)]
+        pids = [int(seg.ranks[r, RankSlot.PID]) for r in range(2)]
         os.kill(launch.pid, signal.SIGKILL)
         launch.wait(10)
         _until(lambda: all(seg.state_of(r) == RankState.STOPPED for r in range(2)), 20,
@@ -354,8 +361,8 @@ def test_clear_and_restore_for_a_weight_update(namespaces, free_host):
             client.evict([1, 2], [7, 8]).result(10)
             client.clear_caches(free_host=free_host).result(30)
             assert all(launcher.seg.state_of(r) == RankState.CLEARED for r in range(2))
-            assert int(launcher.seg.header[H.KVCACHE_STATUS]) == KvCacheStatus.CLEARED
-            assert all(int(launcher.seg.ranks[r, R.CACHE_READY]) == 0 for r in range(2))
+            assert int(launcher.seg.header[HeaderSlot.KVCACHE_STATUS]) == KvCacheStatus.CLEARED
+            assert all(int(launcher.seg.ranks[r, RankSlot.CACHE_READY]) == 0 for r in range(2))
             with pytest.raises(TransferFailed) as ei:
                 client.load([7], [3]).result(10)
             assert {f.code for f in ei.value.failures} == {ErrorCode.CLEARED}
@@ -366,7 +373,7 @@ def test_clear_and_restore_for_a_weight_update(namespaces, free_host):
                 q_in.put("register")
                 assert out.get(timeout=30) == "ok"
             client.wait_ready(20)
-            assert int(launcher.seg.header[H.KVCACHE_STATUS]) == KvCacheStatus.NORMAL
+            assert int(launcher.seg.header[HeaderSlot.KVCACHE_STATUS]) == KvCacheStatus.NORMAL
             client.load([7, 8], [3, 4]).result(10)
             for r, (q_in, out) in enumerate(qs):
                 q_in.put("check")
@@ -397,6 +404,6 @@ def test_ready_is_published_after_the_cache_status(namespaces):
             deadline = time.monotonic() + 20
             while seg.state_of(0) != RankState.READY:  # no sleep: the window is microseconds
                 assert time.monotonic() < deadline, "rank 0 did not become READY again"
-            status = KvCacheStatus(int(seg.header[H.KVCACHE_STATUS]))
+            status = KvCacheStatus(int(seg.header[HeaderSlot.KVCACHE_STATUS]))
             assert status == KvCacheStatus.NORMAL, f"cycle {cycle}: READY while {status.name}"
             assert restored.result(10).replies[0].ok

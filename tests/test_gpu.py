@@ -49,7 +49,7 @@ from kvswap.client.cuda_export import CudaLocation, export_tensor  # noqa: E402
 from kvswap.client.layout import TensorDesc  # noqa: E402
 from kvswap.client.protocol import Op, decode_reply, encode_transfer  # noqa: E402
 from kvswap.client.shm_region import ShmRegion  # noqa: E402
-from kvswap.client.signals import R, RankState, poll_until  # noqa: E402
+from kvswap.client.signals import RankSlot, RankState, poll_until  # noqa: E402
 from kvswap.daemon.launcher import log_tail  # noqa: E402
 from kvswap.daemon.swap_space import HostSwapSpace, SwapLayout  # noqa: E402
 
@@ -195,8 +195,8 @@ def launch_rank(namespaces: Any, cache: Cache, host_blocks: int,
     assert reply.fields["num_host_blocks"] == host_blocks
     launcher.wait_ready(timeout=60)
     sig = launcher.seg.ranks[0]
-    assert int(sig[R.SWAP_BYTES_TOTAL]) > 0
-    assert int(sig[R.SWAP_BYTES_PINNED]) == int(sig[R.SWAP_BYTES_TOTAL])
+    assert int(sig[RankSlot.SWAP_BYTES_TOTAL]) > 0
+    assert int(sig[RankSlot.SWAP_BYTES_PINNED]) == int(sig[RankSlot.SWAP_BYTES_TOTAL])
     client = TransferClient(launcher.names.namespace, 1, run_root=launcher.cfg.run_root)
     client.wait_ready(10)
     pool = HostPool(launcher.names, cache.descs, host_blocks)

@@ -28,7 +28,7 @@ from kvswap.client import (
 )
 from kvswap.client.naming import Names
 from kvswap.client.shm_region import ShmRegion
-from kvswap.client.signals import R, RankState
+from kvswap.client.signals import RankSlot, RankState
 from kvswap.daemon.demo import pattern
 
 from conftest import SMALL_LAYOUT, wait_for_namespace_state, wait_for_state
@@ -272,7 +272,8 @@ def test_client_validates_before_sending(namespaces):
             assert ei.value.code == code
         with pytest.raises(InvalidTask):
             client.load([2, 3], [1, 1])  # load: device blocks are the destination
-        assert all(int(launcher.seg.ranks[r, R.COMPLETED]) == 0 for r in range(2))  # none sent
+        # none sent
+        assert all(int(launcher.seg.ranks[r, RankSlot.COMPLETED]) == 0 for r in range(2))
         assert client.load(np.array([5, 6], np.int64), np.array([7, 9], np.uint32)).result(10)
 
 

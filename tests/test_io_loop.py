@@ -61,6 +61,45 @@ def test_completions_never_block_while_the_io_thread_is_busy():
     ctx.term()
 
 
+def test_a_completion_queued_during_take_still_wakes_the_io_thread(zctx):
+    """A worker's put() lands while take() reads the wake-ups (forced here, at the
+    first read).  Clearing the flag before reading let take() swallow that put's
+    wake-up and leave the flag set: no later completion woke the I/O thread again
+    (in the demo, tasks went unanswered for their whole timeout)."""
+    q = CompletionQueue(zctx)
+    real_rx = q.rx
+
+    class PutDuringRead:
+        """The I/O thread's view of the PAIR, with a worker's put() at the first read."""
+
+        def __init__(self) -> None:
+            self.fired = False
+
+        def recv(self, flags: int) -> bytes:
+            if not self.fired:
+                self.fired = True
+                worker = threading.Thread(target=q.put, args=("racing",))
+                worker.start()
+                worker.join(10)
+            return real_rx.recv(flags)
+
+    poller = zmq.Poller()
+    poller.register(real_rx, zmq.POLLIN)
+    try:
+        q.put("first")
+        assert poller.poll(5000)
+        q.rx = PutDuringRead()
+        taken = q.take()
+        q.rx = real_rx
+        assert set(taken) <= {"first", "racing"} and "first" in taken
+        q.put("after")
+        assert poller.poll(5000), "a completion queued with no wake-up for the I/O thread"
+        assert set(taken + q.take()) == {"first", "racing", "after"}
+    finally:
+        q.rx = real_rx
+        q.close()
+
+
 def test_more_than_a_thousand_outstanding_replies_to_one_peer_all_arrive(namespaces, zctx):
     """A peer that reads its replies late: with the ROUTER's default SNDHWM (1000)
     libzmq dropped the replies past it, silently."""

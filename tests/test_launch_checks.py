@@ -22,7 +22,7 @@ from kvswap.client.errors import ErrorCode
 from kvswap.client.layout import TensorDesc
 from kvswap.client.monitor import format_table, read_status
 from kvswap.client.shm_region import SegmentExists, ShmRegion, segment_users
-from kvswap.client.signals import H, RankState, poll_until
+from kvswap.client.signals import HeaderSlot, RankState, poll_until
 from kvswap.daemon import swap_space
 from kvswap.daemon.cli import LaunchProgress
 from kvswap.daemon.config import LaunchConfig
@@ -263,7 +263,7 @@ def test_register_of_an_oversized_pool_is_refused_and_the_heartbeat_never_starts
         assert not [e for e in names.owned_shm() if ".swap." in e]
         assert launcher.rank_rows()[0]["state"] == "ATTACHING"
         # 50 heartbeat periods without a beat (before the fix the first came at once)
-        beat = poll_until(lambda: int(launcher.seg.header[H.ENGINE_HEARTBEAT_NS]) or None,
+        beat = poll_until(lambda: int(launcher.seg.header[HeaderSlot.ENGINE_HEARTBEAT_NS]) or None,
                           time.monotonic() + 0.5)
         assert beat is None
 
@@ -274,12 +274,13 @@ def test_worker_beats_from_its_successful_register(namespaces):
     wait_for_state(launcher, RankState.ATTACHING)
     with CacheWorker(names.namespace, 0, run_root=namespaces.run_root,
                      heartbeat_interval_s=0.01) as worker:
-        assert int(launcher.seg.header[H.ENGINE_HEARTBEAT_NS]) == 0
+        assert int(launcher.seg.header[HeaderSlot.ENGINE_HEARTBEAT_NS]) == 0
         worker.register([_tensor(worker, "k0")])
-        first = int(launcher.seg.header[H.ENGINE_HEARTBEAT_NS])
+        first = int(launcher.seg.header[HeaderSlot.ENGINE_HEARTBEAT_NS])
         assert first > 0
-        later = poll_until(lambda: int(launcher.seg.header[H.ENGINE_HEARTBEAT_NS]) > first or None,
-                           time.monotonic() + 5)
+        later = poll_until(
+            lambda: int(launcher.seg.header[HeaderSlot.ENGINE_HEARTBEAT_NS]) > first or None,
+            time.monotonic() + 5)
         assert later
 
 

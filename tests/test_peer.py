@@ -17,7 +17,7 @@ import pytest
 from kvswap.client.errors import ErrorCode, KvswapError, RankRestarted, TransferFailed
 from kvswap.client.layout import demo_layout
 from kvswap.client.shm_region import ShmRegion
-from kvswap.client.signals import R, RankState, poll_until
+from kvswap.client.signals import RankSlot, RankState, poll_until
 from kvswap.client.ticket import Ticket, TicketRefused
 from kvswap.client.transfer_client import TransferClient
 from kvswap.daemon.supervisor import SupervisorConfig
@@ -71,7 +71,8 @@ def _client(launcher, **kw) -> TransferClient:
 
 
 def _completed(launcher) -> list[int]:
-    return [int(launcher.seg.ranks[r, R.COMPLETED]) + int(launcher.seg.ranks[r, R.FAILED])
+    ranks = launcher.seg.ranks
+    return [int(ranks[r, RankSlot.COMPLETED]) + int(ranks[r, RankSlot.FAILED])
             for r in range(launcher.cfg.tp)]
 
 
@@ -240,7 +241,7 @@ def test_receivers_own_tasks_wait_for_the_receive(namespaces):
 
 
 def _wait_restarted(launcher, rank: int, epoch: int) -> None:
-    ok = poll_until(lambda: True if (int(launcher.seg.ranks[rank, R.EPOCH]) > epoch and
+    ok = poll_until(lambda: True if (int(launcher.seg.ranks[rank, RankSlot.EPOCH]) > epoch and
                                      launcher.seg.state_of(rank) == RankState.READY) else None,
                     time.monotonic() + 30)
     assert ok, f"rank {rank} did not come back READY: {launcher.progress()}"
@@ -265,13 +266,13 @@ def test_a_daemon_killed_mid_transfer_fails_both_sides(namespaces, monkeypatch, 
     try:
         with Supervising(pre), Supervising(dec):
             a.evict([1, 2], [1, 2]).result(timeout=30)
-            epochs = [int(victim.seg.ranks[r, R.EPOCH]) for r in range(2)]
+            epochs = [int(victim.seg.ranks[r, RankSlot.EPOCH]) for r in range(2)]
             ticket, received = b.receive_into([3, 4])
             t0 = time.monotonic()
             sent = a.send_to(ticket, [1, 2])
             dead = []
             assert poll_until(lambda: dead.extend(r for r in range(2) if int(
-                victim.seg.ranks[r, R.EPOCH]) > epochs[r]) or (True if dead else None),
+                victim.seg.ranks[r, RankSlot.EPOCH]) > epochs[r]) or (True if dead else None),
                 time.monotonic() + 30), "no daemon was killed"
             rank = dead[0]
             _wait_restarted(victim, rank, epochs[rank])

@@ -175,3 +175,29 @@ def test_stop_returns_unstarted_tasks(make):
     gate.release(0)
     assert s.join(WAIT)
     assert gate.started == [[0]]
+
+
+def test_prefetches_run_in_admission_order_whatever_their_blocks_and_priorities():
+    """Agreed ops (prefetch) wait for the previous one: a later prefetch that is ready
+    first, with a higher priority, still runs second, so every rank enters the
+    agreements in the same order (without it, two ranks can each wait in the other's
+    agreement until the storage timeout: fuzz finding)."""
+    gate = Gate()
+    s = Scheduler(16, 16, gate, workers=1, storage_workers=2)
+    try:
+        s.submit(Op.EVICT, ids(1), ids(1), ctx=0)  # holds host block 1
+        first = s.submit(Op.PREFETCH, ids(), ids(1), ctx=1)  # waits for the evict
+        second = s.submit(Op.PREFETCH, ids(), ids(2), priority=9, ctx=2)  # no block overlap
+        s.submit(Op.EXISTS, ids(), ids(), ctx=3)  # not agreed: runs at once
+        assert sorted(map(tuple, gate.wait_started(2))) == [(0,), (3,)]
+        assert first.state is TaskState.WAITING and second.state is TaskState.WAITING
+        gate.release(0, 3)
+        assert gate.wait_started(3)[2] == [1]
+        assert second.state is TaskState.WAITING
+        gate.release(1)
+        assert gate.wait_started(4)[3] == [2]
+        gate.release(2)
+    finally:
+        gate.release(*range(10))
+        s.stop()
+        assert s.join(WAIT)

@@ -25,7 +25,7 @@ from kvswap.client import (
 )
 from kvswap.client.layout import TensorDesc, demo_layout
 from kvswap.client.protocol import BatchItem, Op, decode_reply, encode_batch
-from kvswap.client.signals import R, RankState, poll_until
+from kvswap.client.signals import RankSlot, RankState, poll_until
 from kvswap.daemon.demo import RankView, pattern
 
 from conftest import wait_for_state
@@ -49,10 +49,23 @@ def _check(views, tensors, dev_tag, host_tag):
             assert np.array_equal(view.host[ti], pattern(rank, ti, host_tag, w)), (rank, t.name)
 
 
+@pytest.fixture(autouse=True, params=["ring", "zmq"])
+def path(request, monkeypatch):
+    """Every test here runs over the shared-memory rings and over ZeroMQ alone."""
+    monkeypatch.setattr(f"{__name__}._PATH", request.param)
+    return request.param
+
+
+_PATH = "ring"
+
+
 def _client(launcher, **kw) -> TransferClient:
     c = TransferClient(launcher.names.namespace, launcher.cfg.tp,
-                       run_root=str(launcher.names.run_root), **kw)
+                       run_root=str(launcher.names.run_root), path=_PATH, **kw)
     c.wait_ready(10)
+    assert c.ping().result(10)
+    rings = [p is not None for p in c._wire.rings]
+    assert rings == [_PATH == "ring"] * launcher.cfg.tp, f"path {_PATH}: rings in use {rings}"
     return c
 
 
@@ -236,9 +249,7 @@ def test_cancel_unstarted_task_and_not_a_running_one(namespaces):
             try:
                 big = client.evict(list(range(150)), list(range(150)))
                 after = client.load([0], [155])  # host block 0: must wait for `big`
-                cancel = after.cancel()
-                assert poll_until(lambda: True if not client._outbox else None,
-                                  time.monotonic() + 10)
+                cancel = after.cancel()  # all three are sent when these calls return
             finally:
                 os.kill(pid, signal.SIGCONT)
             was_cancelled = cancel.result(30).replies[0].fields["cancelled"]
@@ -273,7 +284,7 @@ def test_batch_answers_each_task_by_its_own_id(namespaces):
         assert client.submit_batch([]) == []
         with pytest.raises(InvalidTask):  # validated whole before anything is sent
             client.submit_batch([TransferSpec.evict([1], [1]), TransferSpec.evict([99], [1])])
-    counters = launcher.seg.ranks[:, R.COMPLETED]
+    counters = launcher.seg.ranks[:, RankSlot.COMPLETED]
     assert counters.tolist() == [3, 3]
 
     peer = RawPeer(launcher.names.endpoint(0))
@@ -309,14 +320,14 @@ def test_write_policies(namespaces, policy, rank0_done_while_rank1_stopped):
         os.kill(pid1, signal.SIGSTOP)
         try:
             ev, ld = client.submit_swap(evict=([1, 2], [4, 5]), load=([6], [0]), policy=policy)
-            assert poll_until(lambda: True if int(seg.ranks[0, R.COMPLETED]) >=
+            assert poll_until(lambda: True if int(seg.ranks[0, RankSlot.COMPLETED]) >=
                               rank0_done_while_rank1_stopped else None, time.monotonic() + 20)
             # rank 1 is stopped: the evict cannot complete, so write_back holds the load
-            assert int(seg.ranks[0, R.COMPLETED]) == rank0_done_while_rank1_stopped
+            assert int(seg.ranks[0, RankSlot.COMPLETED]) == rank0_done_while_rank1_stopped
             assert not ev.done() and not ld.done()
         finally:
             os.kill(pid1, signal.SIGCONT)
         assert ev.result(20) and ld.result(20)
         with pytest.raises(ValueError):
             client.submit_swap(([1], [1]), ([1], [1]), policy="sometimes")
-    assert seg.ranks[:, R.COMPLETED].tolist() == [2, 2]
+    assert seg.ranks[:, RankSlot.COMPLETED].tolist() == [2, 2]

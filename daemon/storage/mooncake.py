@@ -26,7 +26,8 @@ someone else between the two calls reads as stored by this put (the two
 entries are of the same content key, so either is as good).
 
 **Failures and timeouts.**  The master or the segment holder gone (killed,
-unreachable) makes a call fail at once with an RPC error: StorageError.  A
+unreachable) usually makes a call fail at once with an RPC error: StorageError
+(or, while the client is still noticing the loss, StorageTimeout).  A
 master that accepts connections but does not answer would block the calling
 thread inside the C++ client, so every call runs on the backend's own call
 thread and the caller waits at most ``timeout_s``: then StorageTimeout.  The

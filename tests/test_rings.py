@@ -1,0 +1,447 @@
+"""Shared-memory rings (client/rings.py, daemon/ring_server.py): layout, order across
+wrap-around, backpressure without loss, doorbells, malformed records, cleanup."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import select
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvswap.client import InvalidTask, TransferClient, rings
+from kvswap.client.errors import ErrorCode
+from kvswap.client.naming import Names
+from kvswap.client.protocol import Op, Reply, decode_reply, transfer_message
+from kvswap.client.rings import (
+    Bell,
+    RingCorrupt,
+    RingPeer,
+    RingSegment,
+    RingUnavailable,
+    owner_token,
+)
+from kvswap.client.transfer_client import TransferFuture, _Dispatcher, _Envelope
+from kvswap.client.transport import Channel
+from kvswap.daemon.ring_server import RingServer
+
+from conftest import SMALL_LAYOUT
+
+
+@pytest.fixture
+def names(run_root):
+    n = Names.of(f"ring{os.getpid()}", run_root)
+    n.run_dir.mkdir(mode=0o700)
+    yield n
+    for name in n.owned_shm():
+        os.unlink(f"/dev/shm/{name}")
+
+
+def _segment_table() -> dict[str, tuple[str, str]]:
+    """field -> (offset, size) from the segment table of the module docstring."""
+    lines = rings.__doc__.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split() == ["offset", "size", "field"])
+    out = {}
+    for line in lines[start + 1:]:
+        if not line.strip():
+            break
+        offset, size, field = re.split(r"\s{2,}", line.strip(), maxsplit=2)
+        out[field] = (offset, size)
+    return out
+
+
+def test_layout_matches_the_docstring(names):
+    table = _segment_table()
+    assert table['magic b"KVSRING\\x01"'] == ("0", "8")
+    assert table["u32 layout version (1)"] == ("8", "4")
+    assert table["u64 owner: pid << 40 | client token, 0 when free (compare-and-swap)"] == (
+        str(rings.OWNER_OFFSET), "8")
+    assert table["request ring control     (client writes records, daemon reads)"] == (
+        str(rings.REQUEST_CTL), str(rings.CTL_BYTES))
+    assert table["completion ring control  (daemon writes records, client reads)"] == (
+        str(rings.COMPLETION_CTL), str(rings.CTL_BYTES))
+    assert table["request ring data"] == (str(rings.DATA_OFFSET), "C")
+    assert rings.HEADER.size == 40 and rings.DATA_OFFSET == 4096
+    seg = RingSegment.create(names, 3, 7, capacity=4096)
+    try:
+        buf = seg.region._buf
+        assert buf[:8] == rings.MAGIC
+        assert struct.unpack_from("<IIQQQ", buf, 8) == (1, 3, 7, 4096, 0)
+        assert seg.request.put([b"abc", b"0123456789"]) == 1  # consumer starts asleep
+        ctl, data = rings.REQUEST_CTL, rings.DATA_OFFSET
+        head, = struct.unpack_from("<Q", buf, ctl)
+        tail, = struct.unpack_from("<Q", buf, ctl + 64)
+        sleep, want = struct.unpack_from("<II", buf, ctl + 72)
+        assert (head, tail, sleep, want) == (32, 0, 0, 0)
+        # u32 size | u16 nframes | u16 kind | u32 lengths | frames | padding
+        size, nframes, kind = struct.unpack_from("<IHH", buf, data)
+        assert (size, nframes, kind) == (4 * 2 + 13, 2, 0)
+        assert struct.unpack_from("<II", buf, data + 8) == (3, 10)
+        assert bytes(buf[data + 16:data + 29]) == b"abc0123456789"
+        assert bytes(buf[data + 29:data + 32]) == bytes(3)
+        assert rings.record_bytes([b"abc", b"0123456789"]) == 32
+    finally:
+        seg.unlink()
+        seg.close()
+
+
+def test_order_kept_across_wrap_around(names):
+    """Records of many sizes through a small ring, far past its end, many times."""
+    seg = RingSegment.create(names, 0, 1, capacity=4096)
+    try:
+        ring = seg.request
+        sent = received = 0
+        wraps = 0
+        while received < 3000:
+            while True:
+                body = struct.pack("<Q", sent) * (1 + sent % 37)
+                if ring.put([body, struct.pack("<I", sent)]) < 0:
+                    break
+                sent += 1
+            while (frames := ring.get()) is not None:
+                body, seq = frames
+                n, = struct.unpack("<I", seq)
+                assert n == received, "lost, duplicated or reordered"
+                assert body == struct.pack("<Q", n) * (1 + n % 37)
+                received += 1
+            wraps += 1
+        head, = struct.unpack_from("<Q", seg.region._buf, rings.REQUEST_CTL)
+        assert head > 50 * 4096  # wrapped many times over
+        assert ring.get() is None
+    finally:
+        seg.unlink()
+        seg.close()
+
+
+_PRODUCER = textwrap.dedent("""
+    import struct, select, sys
+    from kvswap.client.naming import Names
+    from kvswap.client.rings import Bell, RingSegment
+    names = Names.of(sys.argv[1], sys.argv[2])
+    n = int(sys.argv[3])
+    seg = RingSegment.attach(names, 0)
+    rx = Bell.listen(names.ring_bell(0, "cq"))   # rung when the consumer made room
+    tx = Bell.connect(names.ring_bell(0, "rq"))  # rung when the consumer sleeps
+    full = 0
+    for i in range(n):
+        frames = [struct.pack("<Q", i) * (1 + i % 61)]
+        while True:
+            rc = seg.request.put(frames)
+            if rc >= 0:
+                break
+            full += 1
+            select.select([rx], [], [], 5.0)  # a lost wake-up fails the test by its timeout
+            rx.drain()
+        if rc > 0:
+            tx.ring()
+    print(full)
+""")
+
+
+def test_full_ring_backpressure_between_processes(names):
+    """A producer process that outruns the consumer blocks on a full ring and is
+    woken by the consumer's bell; every record arrives once, in order."""
+    seg = RingSegment.create(names, 0, 1, capacity=4096)
+    for which in ("rq", "cq"):
+        Bell.create(names.ring_bell(0, which))
+    rx = Bell.listen(names.ring_bell(0, "rq"))
+    tx = Bell.listen(names.ring_bell(0, "cq"))
+    n = 20000
+    proc = subprocess.Popen([sys.executable, "-c", _PRODUCER, names.namespace,
+                             str(names.run_root), str(n)], stdout=subprocess.PIPE, text=True)
+    try:
+        got = 0
+        while got < n:
+            rx.drain()
+            while (frames := seg.request.get()) is not None:
+                assert frames == [struct.pack("<Q", got) * (1 + got % 61)]
+                got += 1
+                if got % 50 == 0 and seg.request.wanted():
+                    tx.ring()
+            if seg.request.wanted():
+                tx.ring()
+            if got < n and seg.request.arm():
+                ready, _, _ = select.select([rx], [], [], 10.0)
+                assert ready, f"no doorbell after {got} records: a lost wake-up"
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0
+        assert int(out) > 0, "the producer never found the ring full: no backpressure tested"
+        assert seg.request.get() is None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        rx.close()
+        tx.close()
+        seg.unlink()
+        seg.close()
+
+
+def test_doorbell_only_when_the_consumer_sleeps(names):
+    seg = RingSegment.create(names, 0, 1, capacity=4096)
+    try:
+        ring = seg.completion
+        assert ring.put([b"a"]) == 1  # asleep since creation: ring
+        assert ring.put([b"b"]) == 0  # already rung, not re-armed: no second bell
+        assert ring.arm() is False  # records waiting: the consumer must not sleep
+        assert ring.put([b"c"]) == 0
+        assert [ring.get(), ring.get(), ring.get(), ring.get()] == [[b"a"], [b"b"], [b"c"], None]
+        assert ring.arm() is True
+        assert ring.put([b"d"]) == 1
+    finally:
+        seg.unlink()
+        seg.close()
+
+
+def test_records_too_large_are_refused(names):
+    seg = RingSegment.create(names, 0, 1, capacity=4096)
+    try:
+        with pytest.raises(ValueError, match="exceeds half the ring"):
+            seg.request.put([bytes(2048)])
+        with pytest.raises(ValueError, match="1 to 512 frames"):
+            seg.request.put([b"x"] * 513)
+        assert not rings.fits([bytes(2048)], 4096) and rings.fits([bytes(2000)], 4096)
+        assert seg.request.get() is None  # nothing was written
+    finally:
+        seg.unlink()
+        seg.close()
+
+
+@pytest.mark.parametrize("corrupt", ["size", "kind", "lengths", "head"])
+def test_malformed_records_are_refused_and_the_ring_recovers(names, corrupt):
+    seg = RingSegment.create(names, 0, 1, capacity=4096)
+    try:
+        ring = seg.request
+        ring.put([b"first", b"frame"])
+        buf, data, ctl = seg.region._buf, rings.DATA_OFFSET, rings.REQUEST_CTL
+        if corrupt == "size":
+            struct.pack_into("<I", buf, data, 10_000)
+        elif corrupt == "kind":
+            struct.pack_into("<H", buf, data + 6, 9)
+        elif corrupt == "lengths":
+            struct.pack_into("<I", buf, data + 8, 1)
+        else:
+            struct.pack_into("<Q", buf, ctl, 1 << 40)
+        with pytest.raises(RingCorrupt):
+            ring.get()
+        assert ring.get() is None  # everything unread was dropped
+        assert ring.put([b"next"]) >= 0
+        assert ring.get() == [b"next"]  # and the ring works again
+    finally:
+        seg.unlink()
+        seg.close()
+
+
+def test_one_owner_at_a_time(names):
+    seg = RingSegment.create(names, 0, 1, capacity=4096)
+    try:
+        me, other = owner_token(os.getpid(), 1), owner_token(os.getpid(), 2)
+        assert seg.claim(me) and seg.claim(me)
+        assert not seg.claim(other)
+        seg.release(me)
+        assert seg.claim(other)
+        seg.release(other)
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        assert seg.claim(owner_token(dead.pid, 3))
+        assert seg.claim(me), "a claim whose process is gone is taken over"
+    finally:
+        seg.unlink()
+        seg.close()
+
+
+def test_server_serves_a_peer_and_leaves_nothing(names):
+    """RingServer end to end with a stand-in handler: requests in order, replies
+    through the completion ring, a bad record answered PROTOCOL_ERROR, and after
+    close no segment and no doorbell is left."""
+    seen = []
+
+    def on_request(frames, dropped, sock, signed):
+        seen.append((frames[0].bytes, [bytes(f.buffer) for f in frames[1:]], dropped, signed))
+        sock.send_multipart([frames[0], frames[1].bytes[::-1]])
+
+    server = RingServer(names, 0, 5, on_request, capacity=4096)
+    try:
+        with pytest.raises(RingUnavailable, match="epoch 5"):
+            RingPeer.open(names, 0, 4, owner_token(os.getpid(), 1))
+        peer = RingPeer.open(names, 0, 5, owner_token(os.getpid(), 1))
+        with pytest.raises(RingUnavailable, match="owned by pid"):
+            RingPeer.open(names, 0, 5, owner_token(os.getpid(), 2))
+        sent, full, replies = 0, 0, []
+        while len(replies) < 200:  # far more than either ring holds at once
+            while sent < 200 and peer.send([f"req{sent:03d}".encode(), b"ids"]):
+                sent += 1
+            full += sent < 200
+            assert select.select([server], [], [], 5)[0], "the daemon's bell never rang"
+            server.drain()
+            replies += peer.receive(True)  # rings the daemon when it waits for room
+        assert full > 0
+        assert [r[0] for r in replies] == [f"req{i:03d}".encode()[::-1] for i in range(200)]
+        assert [s[1][0] for s in seen] == [f"req{i:03d}".encode() for i in range(200)]
+        assert all(s[0] == b"\x00ring" and s[2] == 0 and s[3] is False for s in seen)
+        names_buf = peer.seg.region._buf
+        head, = struct.unpack_from("<Q", names_buf, rings.REQUEST_CTL)
+        peer.send([b"x"])  # then corrupt the record just written (16 bytes)
+        pos = head % 4096 if 4096 - head % 4096 >= 16 else 0
+        struct.pack_into("<I", names_buf, rings.DATA_OFFSET + pos, 99_999)
+        assert peer.arm(), "the reader goes to sleep with nothing waiting"
+        server.drain()
+        assert select.select([peer], [], [], 5)[0]
+        (bad,) = peer.receive(True)
+        reply = decode_reply(bad[0])
+        assert reply.code == ErrorCode.PROTOCOL_ERROR and "malformed ring record" in reply.message
+        peer.close()
+    finally:
+        server.close()
+    assert names.owned_shm() == []
+    assert sorted(p.name for p in names.run_dir.iterdir()) == []
+
+
+# ---------------------------------------------------------------- two channels, one order
+
+
+class TwoChannels:
+    """A fake wire: messages with more than 8 ids want ZeroMQ, the others the ring,
+    which takes ``room`` more messages (then it is full)."""
+
+    def __init__(self):
+        self.sent: list[tuple[int, int, Channel]] = []  # (rank, request id, channel)
+        self.room = 1 << 30
+
+    def channel(self, frames, rank):
+        return Channel.ZMQ if len(frames) > 1 and len(frames[1]) > 8 * 4 else Channel.RING
+
+    def send(self, frames, rank, channel):
+        if channel is Channel.RING:
+            if self.room == 0:
+                return False
+            self.room -= 1
+        self.sent.append((rank, msgpack.unpackb(frames[0])["id"], channel))
+        return True
+
+    def reconnect(self, rank):
+        pass
+
+    def take(self) -> list[tuple[int, Channel]]:
+        out = [(i, c) for r, i, c in self.sent if r == 0]
+        self.sent = []
+        return out
+
+
+_tids = itertools.count(1)
+
+
+def _env(blocks: int) -> _Envelope:
+    fut = TransferFuture(next(_tids), Op.EVICT, range(1), time.monotonic() + 30)
+    ids = np.arange(blocks, dtype="<i4")
+    return _Envelope(fut, transfer_message(Op.EVICT, fut.task_id, ids, ids))
+
+
+def _answer(d: _Dispatcher, env: _Envelope) -> None:
+    d.on_reply(Reply(env.carrier.task_id, 0, True, ErrorCode.OK, ""))
+    d.pump()
+
+
+def test_one_rank_is_sent_on_one_channel_at_a_time():
+    """The daemon reads its ring and its socket each in order, not against each other:
+    a large message waits until the ring owes nothing, small ones follow the channel
+    that still owes replies, and the ring is used again once ZeroMQ owes none."""
+    wire = TwoChannels()
+    d = _Dispatcher(1, 5, wire, 30.0, lambda r: 1, lambda r: True, lambda r: "rank 0")
+    a, big, c = _env(1), _env(100), _env(1)
+    for env in (a, big, c):
+        d.post(env)
+    ring, zmq = Channel.RING, Channel.ZMQ
+    assert wire.take() == [(a.carrier.task_id, ring)]  # big waits for a's reply
+    _answer(d, a)
+    assert wire.take() == [(big.carrier.task_id, zmq), (c.carrier.task_id, zmq)]
+    e = _env(1)
+    d.post(e)
+    assert wire.take() == [(e.carrier.task_id, zmq)]  # ZeroMQ still owes big, c
+    for env in (big, c, e):
+        _answer(d, env)
+    f = _env(1)
+    d.post(f)
+    assert wire.take() == [(f.carrier.task_id, ring)]
+    _answer(d, f)
+    assert d._owing == [0] and d._ring_owing == [0]
+    assert all(env.carrier.result(0) for env in (a, big, c, e, f))
+
+
+def test_a_full_ring_keeps_messages_in_order_in_the_backlog():
+    wire = TwoChannels()
+    wire.room = 2
+    d = _Dispatcher(1, 5, wire, 30.0, lambda r: 1, lambda r: True, lambda r: "rank 0")
+    envs = [_env(1) for _ in range(5)]
+    for env in envs:
+        d.post(env)
+    ids = [e.carrier.task_id for e in envs]
+    assert [i for i, _ in wire.take()] == ids[:2]
+    d.pump()
+    assert wire.take() == []  # still full: nothing lost, nothing out of order
+    wire.room = 10
+    d.pump()  # the daemon rang back: room
+    assert [i for i, _ in wire.take()] == ids[2:]
+    for env in envs:
+        _answer(d, env)
+    assert d._owing == [0] and all(e.carrier.result(0) for e in envs)
+
+
+# ---------------------------------------------------------------- the client's path option
+
+
+def test_path_option_is_checked_before_anything_is_created(run_root):
+    with pytest.raises(InvalidTask, match="path must be 'ring' or 'zmq'"):
+        TransferClient("nosuchns", 1, run_root=run_root, path="shm")
+    with pytest.raises(InvalidTask, match="tcp:// client uses path='zmq'"):
+        TransferClient("nosuchns", 1, run_root=run_root, path="ring", tcp="127.0.0.1:7000",
+                       secret=b"s")
+
+
+def test_one_client_owns_the_rings_others_use_zeromq(namespaces):
+    launcher = namespaces.launch(tp=2, demo_caches=SMALL_LAYOUT)
+    ns, root = launcher.names.namespace, str(launcher.names.run_root)
+    first = TransferClient(ns, 2, run_root=root)
+    second = TransferClient(ns, 2, run_root=root)
+    try:
+        for c in (first, second):
+            c.wait_ready(20)
+            assert c.evict([1], [1]).result(10) and c.load([1], [2]).result(10)
+        assert [p is not None for p in first._wire.rings] == [True, True]
+        assert [p is not None for p in second._wire.rings] == [False, False]
+        first.close()
+        second._wire._retry_at = [0.0, 0.0]  # look again now, not in half a second
+        assert second.ping().result(10)
+        assert [p is not None for p in second._wire.rings] == [True, True]
+        assert second.evict([2], [2]).result(10)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_flood_is_served_in_bursts_without_losing_the_rest(names):
+    served = []
+    server = RingServer(names, 0, 1, lambda frames, *_: served.append(frames[1].bytes),
+                        capacity=1 << 16)
+    try:
+        peer = RingPeer.open(names, 0, 1, owner_token(os.getpid(), 1))
+        n = 300  # more than one burst
+        for i in range(n):
+            assert peer.send([struct.pack("<I", i)])
+        bursts = 0
+        while len(served) < n:
+            assert select.select([server], [], [], 5)[0], "the rest was left without a bell"
+            server.drain()
+            bursts += 1
+        assert bursts == 2 and served == [struct.pack("<I", i) for i in range(n)]
+        peer.close()
+    finally:
+        server.close()

@@ -49,15 +49,12 @@ segments fill up (its ``--eviction_high_watermark_ratio``).
 
 from __future__ import annotations
 
-import bisect
 import logging
 import queue
 import socket
 import threading
-import urllib.parse
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 import numpy as np
@@ -70,16 +67,11 @@ from kvswap.daemon.storage import (
     StorageTimeout,
     as_byte_views,
     check_names,
-    parse_seconds,
-    url_options,
 )
-from kvswap.daemon.options import parse_size
+from kvswap.daemon.storage.mooncake_buffers import Bounce, Regions, address
+from kvswap.daemon.storage.mooncake_settings import MooncakeSettings
 
 log = logging.getLogger("kvswap.daemon.storage")
-
-DEFAULT_PORT = 50051  # mooncake_master's default RPC port
-DEFAULT_METADATA_PORT = 8080  # its default --http_metadata_server_port
-PROTOCOLS = ("tcp", "rdma")
 
 # Return codes of the store client (negative = error).
 NO_ROOM = -200  # no segment can take the object: the store is full, or none is mounted
@@ -88,133 +80,6 @@ OBJECT_NOT_FOUND = -704
 BUFFER_TOO_SMALL = -600  # batch_get_into: the object is larger than the buffer given
 
 T = TypeVar("T")
-
-
-def _parse_nonnegative_size(text: str) -> int:
-    return 0 if text.strip() == "0" else parse_size(text)
-
-
-def _parse_protocol(text: str) -> str:
-    if text not in PROTOCOLS:
-        raise ValueError(f"want one of {', '.join(PROTOCOLS)}")
-    return text
-
-
-def _parse_metadata(text: str) -> str:
-    if text != "P2PHANDSHAKE" and not text.startswith(("http://", "etcd://")):
-        raise ValueError("want http://HOST:PORT/metadata (the master's HTTP metadata "
-                         "server), etcd://HOST:PORT or P2PHANDSHAKE")
-    return text
-
-
-def _parse_hostname(text: str) -> str:
-    if not text or any(c.isspace() for c in text):
-        raise ValueError("want this machine's address as the other store clients reach it")
-    return text
-
-
-_OPTIONS: dict[str, Callable[[str], object]] = {
-    "metadata": _parse_metadata,
-    "protocol": _parse_protocol,
-    "device": str,
-    "local_hostname": _parse_hostname,
-    "segment": _parse_nonnegative_size,
-    "buffer": parse_size,
-    "timeout_s": parse_seconds,
-    "connect_timeout_s": parse_seconds,
-    "copy_below": _parse_nonnegative_size,
-}
-
-
-@dataclass(frozen=True)
-class MooncakeSettings:
-    """A ``mooncake://`` URL, parsed (docs/storage.md lists the options)."""
-
-    master_host: str
-    master_port: int
-    metadata: str
-    protocol: str = "tcp"
-    device: str = ""
-    local_hostname: str | None = None  # None: the address this host reaches the master from
-    segment: int = 1 << 30
-    buffer: int = 64 << 20
-    timeout_s: float = 5.0
-    connect_timeout_s: float = 2.0
-    copy_below: int = 64 << 10  # parts smaller than this are gathered into the bounce area
-
-    @property
-    def master(self) -> str:
-        return f"{self.master_host}:{self.master_port}"
-
-    @classmethod
-    def parse(cls, url: str) -> "MooncakeSettings":
-        parts = urllib.parse.urlsplit(url)
-        if not parts.hostname:
-            raise ValueError(f"storage URL {url!r}: no master host (want "
-                             "mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata)")
-        try:
-            port = parts.port or DEFAULT_PORT
-        except ValueError as exc:
-            raise ValueError(f"storage URL {url!r}: {exc}") from None
-        if parts.path not in ("", "/") or parts.username or parts.password:
-            raise ValueError(f"storage URL {url!r}: want mooncake://MASTER_HOST:PORT?options, "
-                             "without a path or user")
-        # each option is named as its field, and its parser returns the field's type
-        opts = url_options(url, parts.query, _OPTIONS)
-        metadata = f"http://{parts.hostname}:{DEFAULT_METADATA_PORT}/metadata"
-        return cls(master_host=parts.hostname, master_port=port,
-                   **{"metadata": metadata, **opts})  # type: ignore[arg-type]
-
-
-def _address(buf: Buffer) -> tuple[int, int]:
-    """(address, length) of a C-contiguous buffer, without keeping an export of it
-    (holding one would stop the owner from unmapping it)."""
-    view = as_byte_views([buf])[0]
-    try:
-        if view.nbytes == 0:
-            return 0, 0
-        return int(np.frombuffer(view, np.uint8).ctypes.data), view.nbytes
-    finally:
-        view.release()
-
-
-class _Regions:
-    """Registered address ranges by role, for "is this part in registered memory?"."""
-
-    def __init__(self) -> None:
-        self._by_role: dict[str, list[tuple[int, int]]] = {}
-        self._starts: list[int] = []
-        self._spans: list[tuple[int, int]] = []
-
-    def set(self, role: str, spans: list[tuple[int, int]]) -> None:
-        if spans:
-            self._by_role[role] = spans
-        else:
-            self._by_role.pop(role, None)
-        self._spans = sorted(s for spans_ in self._by_role.values() for s in spans_)
-        self._starts = [a for a, _ in self._spans]
-
-    def all(self) -> list[tuple[int, int]]:
-        return list(self._spans)
-
-    def covers(self, addr: int, size: int) -> bool:
-        i = bisect.bisect_right(self._starts, addr) - 1
-        return i >= 0 and addr + size <= self._spans[i][0] + self._spans[i][1]
-
-
-class _Bounce:
-    """A registered area of the backend's own, for entry headers and any part that is
-    not in registered memory; grows by doubling (re-registered when it does)."""
-
-    def __init__(self) -> None:
-        self.array = np.empty(0, np.uint8)
-
-    def reserve(self, nbytes: int) -> bool:
-        """Make room for ``nbytes``; True if the area moved (register it again)."""
-        if nbytes <= self.array.nbytes:
-            return False
-        self.array = np.empty(max(nbytes, 2 * self.array.nbytes, 64 << 10), np.uint8)
-        return True
 
 
 class _CallThread:
@@ -261,9 +126,9 @@ class MooncakeBackend:
         self._calls = _CallThread()
         self._stuck: Future | None = None  # a call that outlived timeout_s, still running
         self._store: MooncakeDistributedStore | None = None
-        self._regions = _Regions()
+        self._regions = Regions()
         self._registered: list[tuple[int, int]] = []  # what the store client holds now
-        self._bounce = _Bounce()
+        self._bounce = Bounce()
         self._dirty = False  # roles changed since the client last registered
         self.bounced_bytes = 0  # copied into the bounce area by puts (headers, stray parts)
         self._closed = False
@@ -289,7 +154,7 @@ class MooncakeBackend:
         replacing what that role had; ``[]`` releases the role's memory, which the
         caller must do before it frees or unmaps it.  Parts and ``into`` buffers in
         registered memory move without a copy."""
-        spans = [s for s in (_address(b) for b in buffers) if s[1]]
+        spans = [s for s in (address(b) for b in buffers) if s[1]]
         with self._lock:  # held by _call while a call runs: no transfer is using them now
             self._regions.set(role, spans)
             self._dirty = True
@@ -394,7 +259,7 @@ class MooncakeBackend:
 
     def put(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
         self._check([name for name, _ in items])
-        entries = [[_address(p) for p in as_byte_views(parts)] for _, parts in items]
+        entries = [[address(p) for p in as_byte_views(parts)] for _, parts in items]
         if not items:
             return []
 
@@ -458,7 +323,7 @@ class MooncakeBackend:
         if not names:
             return []
         if into is not None and len(into) == len(names):
-            spans = [_address(b) for b in into]
+            spans = [address(b) for b in into]
             if all(size and self._regions.covers(a, size) for a, size in spans):
                 return self._call(f"get ({len(names)} names)",
                                   lambda st: self._get_into(st, names, into, spans))

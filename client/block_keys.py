@@ -175,21 +175,25 @@ def model_fingerprint(layout_hash: bytes, model_id: str) -> bytes:
         :FINGERPRINT_BYTES]
 
 
-def entry_name(key: bytes, rank: int, fingerprint: bytes) -> str:
-    """The storage name of one rank's copy of one block: ``kvswap.<fp hex>.r<rank>.<key hex>``.
+def entry_name(key: bytes, rank: int | None, fingerprint: bytes) -> str:
+    """The storage name of one rank's copy of one block: ``kvswap.<fp hex>.r<rank>.<key hex>``;
+    ``rank=None`` names the one copy of a block's replicated tensors that every rank
+    shares: ``kvswap.<fp hex>.all.<key hex>``.
 
     Only ``[a-z0-9.]``, at most 120 characters: safe as a file name and as a Redis
-    key.  The common ``kvswap.<fp>.r<rank>.`` prefix lets an operator list or drop
-    one model's entries (``SCAN MATCH kvswap.<fp>.*``).
+    key.  The common ``kvswap.<fp>.`` prefix lets an operator list or drop one
+    model's entries (``SCAN MATCH kvswap.<fp>.*``).
     """
     if not isinstance(key, bytes) or len(key) != KEY_BYTES:
         raise ValueError(f"key must be {KEY_BYTES} bytes, got {key!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 1 << 16:
-        raise ValueError(f"rank must be an int in [0, 65536), got {rank!r}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
+                             or not 0 <= rank < 1 << 16):
+        raise ValueError(f"rank must be an int in [0, 65536) or None, got {rank!r}")
     if not isinstance(fingerprint, bytes) or len(fingerprint) != FINGERPRINT_BYTES:
         raise ValueError(f"fingerprint must be {FINGERPRINT_BYTES} bytes "
                          f"(model_fingerprint()), got {fingerprint!r}")
-    return f"kvswap.{fingerprint.hex()}.r{rank}.{key.hex()}"
+    owner = "all" if rank is None else f"r{rank}"
+    return f"kvswap.{fingerprint.hex()}.{owner}.{key.hex()}"
 
 
 def _encode_hash(value: object, depth: int = 0) -> bytes:

@@ -36,6 +36,9 @@ class CacheTensor:
     name: str
     layer: int
     array: Any
+    # The same bytes on every TP rank (an MLA latent cache): the storage tier stores it
+    # once, from rank 0, and every rank prefetches it from there (docs/storage.md).
+    replicated: bool = False
 
 
 class CacheWorker:
@@ -96,6 +99,9 @@ class CacheWorker:
         return region.array(0, shape, dt)
 
     def _describe(self, t: CacheTensor) -> TensorDesc:
+        if not isinstance(t.replicated, bool):
+            raise InvalidTask(f"tensor {t.name}: replicated must be a bool, got "
+                              f"{t.replicated!r:.40}", ErrorCode.BAD_LAYOUT)
         arr = t.array
         if self.backend == "cuda":
             # Imported here: it loads the CUDA driver only when a cuda worker registers.
@@ -103,7 +109,7 @@ class CacheWorker:
 
             exported = export_tensor(arr, t.name)
             return TensorDesc(t.name, int(t.layer), exported.dtype, exported.shape,
-                              exported.location.to_wire())
+                              exported.location.to_wire(), t.replicated)
         if not isinstance(arr, np.ndarray):
             raise InvalidTask(f"tensor {t.name}: host backend expects the numpy array returned "
                               f"by alloc_host_tensor, got {type(arr).__name__}",
@@ -122,7 +128,7 @@ class CacheWorker:
         # the inode tells the daemon which segment of that name (a restarted engine
         # creates its segments again under the same names)
         return TensorDesc(t.name, int(t.layer), arr.dtype.str, tuple(arr.shape),
-                          {"shm": region.name, "ino": region.inode})
+                          {"shm": region.name, "ino": region.inode}, t.replicated)
 
     # ------------------------------------------------------------------ register
     def register(self, tensors: Sequence[CacheTensor], timeout: float = 60.0,

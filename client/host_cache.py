@@ -72,7 +72,7 @@ from kvswap.client.errors import ErrorCode, KvswapError, RankTimeout
 from kvswap.client.host_cache_arc import ArcIndex
 from kvswap.client.host_cache_index import BlockIndex, LruIndex, show
 from kvswap.client.host_cache_persist import KEY_BYTES, PersistedIndex
-from kvswap.client.protocol import as_block_ids
+from kvswap.client.protocol import PrefetchOptions, as_block_ids
 from kvswap.client.signals import RankSlot
 
 if TYPE_CHECKING:
@@ -509,16 +509,28 @@ class HostCache:
         load.add_done_callback(on_load)
         return cf
 
-    def prefetch(self, client: "TransferClient", hashes: Sequence[Hashable]) -> CacheFuture:
+    def prefetch(self, client: "TransferClient", hashes: Sequence[Hashable], *,
+                 policy: str = "wait_complete", timeout: float | None = None,
+                 min_blocks: int = 0) -> CacheFuture:
         """Storage tier -> host tier (a namespace launched with ``--storage``): the
         hashes not in host memory get host blocks (``prepare_store``, evicting if it
         must), the daemons prefetch them under :func:`storage_key`, and when the
         prefetch ends the agreed prefix (every rank read it intact) is completed as
         stored, the rest released.  The result's ``hashes`` is that prefix,
         ``dropped`` the rest.  Done at once if every hash is in host memory already,
-        or with everything in ``dropped`` if ``prepare_store`` finds no room."""
+        or with everything in ``dropped`` if ``prepare_store`` finds no room.
+
+        ``policy``, ``timeout``, ``min_blocks``: as :meth:`TransferClient.prefetch`
+        (checked before anything changes); fewer than ``min_blocks`` hashes missing
+        from host memory are not prefetched at all (all in ``dropped``, nothing
+        evicted to make room)."""
+        PrefetchOptions.of(policy, timeout, min_blocks)
         hashes = list(hashes)
         keys = {h: storage_key(h) for h in hashes}
+        if min_blocks:
+            new = [h for h in dict.fromkeys(hashes) if h not in self]
+            if len(new) < min_blocks:
+                return CacheFuture.finished(CacheTransfer([], _NO_IDS, dropped=new))
         out = self.prepare_store(hashes)
         if out is None:
             new = [h for h in dict.fromkeys(hashes) if h not in self]
@@ -526,7 +538,8 @@ class HostCache:
         if not out.hashes:
             return CacheFuture.finished(CacheTransfer([], _NO_IDS))
         try:
-            pf = client.prefetch([keys[h] for h in out.hashes], out.host_blocks)
+            pf = client.prefetch([keys[h] for h in out.hashes], out.host_blocks, policy=policy,
+                                 timeout=timeout, min_blocks=min_blocks)
         except BaseException:
             self._complete_store(out.hashes, False)
             raise

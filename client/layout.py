@@ -33,6 +33,9 @@ class TensorDesc:
     dtype: str  # numpy dtype string, e.g. '<u2', '|u1', '<f4'
     shape: tuple[int, ...]  # axis 0 = blocks
     location: dict = field(default_factory=dict, compare=False)
+    # The same bytes on every TP rank (an MLA latent cache): the storage tier keeps one
+    # copy, written by rank 0 and read by every rank (docs/storage.md "MLA dedup").
+    replicated: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -51,8 +54,11 @@ class TensorDesc:
         return self.num_blocks * self.bytes_per_block
 
     def to_wire(self) -> dict:
-        return {"name": self.name, "layer": self.layer, "dtype": self.dtype,
+        wire = {"name": self.name, "layer": self.layer, "dtype": self.dtype,
                 "shape": list(self.shape), "location": self.location}
+        if self.replicated:  # sent only when set: a 1.5 descriptor reads the same
+            wire["replicated"] = True
+        return wire
 
     @classmethod
     def from_wire(cls, obj: Any) -> "TensorDesc":
@@ -85,7 +91,10 @@ class TensorDesc:
             raise _layout_error(f"tensor {name}: dtype {dtype!r} cannot be copied as bytes")
         if not isinstance(location, dict):
             raise _layout_error(f"tensor {name}: location must be a map")
-        return cls(name, layer, dt.str, tuple(shape), location)
+        replicated = obj.get("replicated", False)
+        if not isinstance(replicated, bool):
+            raise _layout_error(f"tensor {name}: replicated must be a bool")
+        return cls(name, layer, dt.str, tuple(shape), location, replicated)
 
 
 def validate_layout(tensors: Sequence[TensorDesc]) -> int:
@@ -131,6 +140,7 @@ DEMO_LAYOUT_DEFAULTS: dict[str, Any] = {
     "mla": 0,
     "scales": 0,
     "extra_layers": 0,
+    "replicated": 0,
 }
 
 DEMO_LAYOUT_HELP = (
@@ -139,7 +149,8 @@ DEMO_LAYOUT_HELP = (
     + ". Tensors per layer: k<l> and v<l> of shape (blocks, block_tokens, heads, head_dim); "
     "mla=1 gives one latent tensor kv<l> instead; scales=1 adds float32 k<l>_scale/v<l>_scale "
     "of shape (blocks, block_tokens, heads) (fp8 caches use dtype=uint8); extra_layers=N adds "
-    "N more layers (MTP)."
+    "N more layers (MTP); replicated=1 (with mla=1) marks the latent tensors replicated across "
+    "TP ranks (stored once by the storage tier)."
 )
 
 
@@ -149,6 +160,7 @@ class TensorShape:
     layer: int
     dtype: str
     shape: tuple[int, ...]
+    replicated: bool = False
 
 
 def parse_demo_layout(spec: str | None) -> dict[str, Any]:
@@ -168,8 +180,10 @@ def parse_demo_layout(spec: str | None) -> dict[str, Any]:
                 except ValueError:
                     raise ValueError(f"demo layout {key} must be an int, got {value!r}") from None
                 if params[key] < 0 or (params[key] == 0 and key not in
-                                       ("mla", "scales", "extra_layers")):
+                                       ("mla", "scales", "extra_layers", "replicated")):
                     raise ValueError(f"demo layout {key} must be positive, got {value!r}")
+    if params["replicated"] and not params["mla"]:
+        raise ValueError("demo layout replicated=1 marks the MLA latent tensors: it needs mla=1")
     return params
 
 
@@ -183,7 +197,9 @@ def demo_layout(spec: str | None = None) -> list[TensorShape]:
     for layer in range(p["layers"] + p["extra_layers"]):
         kinds = ["kv"] if p["mla"] else ["k", "v"]
         for kind in kinds:
-            out.append(TensorShape(f"{kind}{layer}", layer, dtype, kv_shape))
+            out.append(TensorShape(f"{kind}{layer}", layer, dtype, kv_shape,
+                                   bool(p["replicated"])))
             if p["scales"]:
-                out.append(TensorShape(f"{kind}{layer}_scale", layer, "<f4", scale_shape))
+                out.append(TensorShape(f"{kind}{layer}_scale", layer, "<f4", scale_shape,
+                                       bool(p["replicated"])))
     return out

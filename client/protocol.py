@@ -33,7 +33,7 @@ import numpy as np
 
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, ProtocolError
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 7)
+PROTOCOL_VERSION: tuple[int, int] = (1, 8)
 
 # Request and task ids are non-negative int64: they key shm tables (layer progress,
 # agreement, the completion journal) that hold them as 64-bit integers.
@@ -166,6 +166,8 @@ COMMON_OPTIONAL: dict[str, type] = {"cid": int, "cs": int, "re": bool}
 # out of order.
 _TRANSFER_OPTIONAL = {"priority": int, "layerwise": bool, "ep": list}
 _COPY_REPLY = {"bytes": int, "merged": int}
+# prefetch: its policy (PrefetchPolicy), deadline in seconds, and the fewest blocks worth loading
+_PREFETCH_OPTIONAL: dict[str, FieldType] = {"policy": str, "timeout": float, "min": int}
 
 # peer_info: what a ticket needs about this rank (client/ticket.py RankEndpoint).
 _PEER_INFO_REPLY = {"te": str, "notify": str, "bases": list, "block_bytes": list,
@@ -185,13 +187,13 @@ OPS: dict[Op, OpSpec] = {
                {"accepted": int}, {"ep": list}),
         OpSpec(Op.CANCEL, {"target": int}, 0, HandlerKind.INLINE, {"cancelled": bool}),
         OpSpec(Op.BACKUP, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER,
-               {"count": int, "skipped": int}, {"ep": list, "priority": int},
+               {"count": int, "skipped": int}, {"ep": list, "priority": int, "mv": str},
                lane=Lane.STORAGE, timed=True),
         OpSpec(Op.PREFETCH, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, {"count": int},
-               {"ep": list, "priority": int}, lane=Lane.STORAGE, urgent=True, timed=True,
-               agreed=True),
-        OpSpec(Op.EXISTS, {"n": int}, 1, HandlerKind.TRANSFER, {"count": int}, {"ep": list},
-               lane=Lane.STORAGE),
+               {"ep": list, "priority": int, "mv": str, **_PREFETCH_OPTIONAL},
+               lane=Lane.STORAGE, urgent=True, timed=True, agreed=True),
+        OpSpec(Op.EXISTS, {"n": int}, 1, HandlerKind.TRANSFER, {"count": int},
+               {"ep": list, "mv": str}, lane=Lane.STORAGE),
         OpSpec(Op.PAUSE, {}, 0, HandlerKind.INLINE, {}),
         OpSpec(Op.RESUME, {}, 0, HandlerKind.INLINE, {}),
         OpSpec(Op.CLEAR, {}, 0, HandlerKind.SERIAL, {}, {"free_host": bool}),
@@ -700,11 +702,89 @@ def decode_keys(buf: Any, n: int) -> np.ndarray:
     return np.frombuffer(mv, dtype=np.uint8).reshape(n, KEY_BYTES)
 
 
+MODEL_VERSION_MAX = 200  # characters of a model version (it is hashed into entry names)
+
+
+def check_model_version(version: Any) -> str:
+    """A model version (``--model-version``, ``set_model_version``): a string of at most
+    :data:`MODEL_VERSION_MAX` characters; ``""`` is "no version"."""
+    if not isinstance(version, str) or len(version) > MODEL_VERSION_MAX:
+        raise InvalidTask(f"model version must be a string of at most {MODEL_VERSION_MAX} "
+                          f"characters, got {version!r:.80}", ErrorCode.BAD_FIELD)
+    return version
+
+
+class PrefetchPolicy(str, enum.Enum):
+    """When a prefetch stops reading and commits (docs/storage.md "Prefetch policies")."""
+
+    WAIT_COMPLETE = "wait_complete"  # read every key (to the first miss); a store error fails it
+    BEST_EFFORT = "best_effort"  # stop at the deadline if one is given or at a store error
+    TIMEOUT = "timeout"  # stop at the deadline (required); a store error fails it
+
+
+@dataclass(frozen=True)
+class PrefetchOptions:
+    """A prefetch's policy, deadline (seconds from its arrival at a daemon) and the
+    fewest blocks worth loading: an agreed prefix shorter than ``min_blocks`` loads
+    nothing."""
+
+    policy: PrefetchPolicy = PrefetchPolicy.WAIT_COMPLETE
+    timeout: float | None = None
+    min_blocks: int = 0
+
+    @classmethod
+    def of(cls, policy: Any, timeout: Any, min_blocks: Any) -> "PrefetchOptions":
+        """Checked options; InvalidTask naming the bad argument and what it wants."""
+        try:
+            pol = PrefetchPolicy(policy)
+        except ValueError:
+            raise InvalidTask(f"prefetch policy must be one of "
+                              f"{', '.join(p.value for p in PrefetchPolicy)}, got {policy!r:.60}",
+                              ErrorCode.BAD_FIELD) from None
+        if timeout is not None and (isinstance(timeout, bool)
+                                    or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout < float("inf")):
+            raise InvalidTask(f"prefetch timeout must be a positive number of seconds or None, "
+                              f"got {timeout!r:.60}", ErrorCode.BAD_FIELD)
+        if pol is PrefetchPolicy.TIMEOUT and timeout is None:
+            raise InvalidTask("prefetch policy 'timeout' needs timeout=SECONDS",
+                              ErrorCode.BAD_FIELD)
+        if pol is PrefetchPolicy.WAIT_COMPLETE and timeout is not None:
+            raise InvalidTask("prefetch policy 'wait_complete' takes no timeout (use "
+                              "policy='timeout' or 'best_effort')", ErrorCode.BAD_FIELD)
+        if isinstance(min_blocks, bool) or not isinstance(min_blocks, int) or min_blocks < 0:
+            raise InvalidTask(f"min_blocks must be a non-negative int, got {min_blocks!r:.60}",
+                              ErrorCode.BAD_FIELD)
+        return cls(pol, None if timeout is None else float(timeout), min_blocks)
+
+    @classmethod
+    def from_header(cls, header: Mapping[str, Any]) -> "PrefetchOptions":
+        return cls.of(header.get("policy", PrefetchPolicy.WAIT_COMPLETE.value),
+                      header.get("timeout"), header.get("min", 0))
+
+    def to_fields(self) -> dict:
+        """Header fields, only those not default."""
+        out: dict = {}
+        if self.policy is not PrefetchPolicy.WAIT_COMPLETE:
+            out["policy"] = self.policy.value
+        if self.timeout is not None:
+            out["timeout"] = self.timeout
+        if self.min_blocks:
+            out["min"] = self.min_blocks
+        return out
+
+
 def storage_message(op: Op, req_id: int, host_ids: np.ndarray | None, keys: np.ndarray,
-                    priority: int = 0) -> Message:
-    """``backup``/``prefetch`` (host ids + keys) or ``exists`` (keys only)."""
-    header = request_header(op, req_id, {"n": int(keys.shape[0]),
-                                         **_transfer_fields(priority, False)})
+                    priority: int = 0, model_version: str | None = None,
+                    prefetch: PrefetchOptions | None = None) -> Message:
+    """``backup``/``prefetch`` (host ids + keys) or ``exists`` (keys only); ``model_version``
+    (None: the daemons' ``--model-version``) and a prefetch's options when not default."""
+    fields: dict = {"n": int(keys.shape[0]), **_transfer_fields(priority, False)}
+    if model_version is not None:
+        fields["mv"] = model_version
+    if prefetch is not None:
+        fields.update(prefetch.to_fields())
+    header = request_header(op, req_id, fields)
     tail: list = [keys]
     if host_ids is not None:
         header["ids"] = _wire_dtype((host_ids,))

@@ -69,12 +69,14 @@ from kvswap.client.protocol import (
     BatchItem,
     Message,
     Op,
+    PrefetchOptions,
     Reply,
     as_block_ids,
     as_keys,
     batch_message,
     check_flag,
     check_int,
+    check_model_version,
     check_priority,
     request_header,
     storage_message,
@@ -771,6 +773,9 @@ class TransferClient:
         # a random 31-bit prefix, then a counter.
         self._ids = itertools.count((secrets.randbits(31) << 32) + 1)
         self.cid = secrets.randbelow(CID_LIMIT - 1) + 1  # 1 <= cid < CID_LIMIT
+        # The model version storage requests carry (set_model_version); None: the
+        # daemons' --model-version.  Read once per request by the submitting thread.
+        self._model_version: str | None = None
         self._secret = bytes(secret) if tcp is not None else None
         self.path = PathChoice(path)
         self._wire = Transport(self.names, endpoints, self.path, self.cid,
@@ -880,21 +885,39 @@ class TransferClient:
         reply says how many were stored (``count``) and ``skipped``."""
         return self._storage(Op.BACKUP, host_blocks, keys, priority)
 
-    def prefetch(self, keys: Sequence[bytes], host_blocks: Any, *,
-                 priority: int = 0) -> TransferFuture:
+    def prefetch(self, keys: Sequence[bytes], host_blocks: Any, *, priority: int = 0,
+                 policy: str = "wait_complete", timeout: float | None = None,
+                 min_blocks: int = 0) -> TransferFuture:
         """Storage -> host swap space for the longest prefix of ``keys`` that every rank
         holds and can read intact; ``result().count`` is that prefix length (the ranks
-        agree on it through shared memory).  Host blocks past it hold nothing usable."""
-        return self._storage(Op.PREFETCH, host_blocks, keys, priority)
+        agree on it through shared memory).  Host blocks past it hold nothing usable.
+
+        ``policy`` says when reading stops (docs/storage.md "Prefetch policies"):
+        ``"wait_complete"`` reads every key; ``"timeout"`` stops ``timeout`` seconds
+        after the request reached each daemon; ``"best_effort"`` stops there too if
+        ``timeout`` is given, and at a store error instead of failing.  Either way
+        every rank commits the same prefix: the shortest any rank completed in time.
+        An agreed prefix shorter than ``min_blocks`` loads nothing (count 0)."""
+        opts = PrefetchOptions.of(policy, timeout, min_blocks)
+        return self._storage(Op.PREFETCH, host_blocks, keys, priority, opts)
 
     def exists(self, keys: Sequence[bytes]) -> TransferFuture:
         """``result().count``: how many leading keys are stored on every rank."""
         return self._storage(Op.EXISTS, None, keys, 0)
 
-    def _storage(self, op: Op, host_blocks: Any, keys: Sequence[bytes],
-                 priority: int) -> TransferFuture:
+    def set_model_version(self, version: str) -> None:
+        """Name the weights every later backup, prefetch and exists works under, on every
+        rank: entry names and fingerprints change with it, so entries written under
+        another version are never matched (left to the store's LRU/TTL).  ``""`` is
+        no version; until called, the daemons' ``--model-version`` applies.  After a
+        weight update, prefer ``clear_caches(model_version=...)``, which also drops
+        the host swap space's contents."""
+        self._model_version = check_model_version(version)
+
+    def _storage(self, op: Op, host_blocks: Any, keys: Sequence[bytes], priority: int,
+                 prefetch: PrefetchOptions | None = None) -> TransferFuture:
         fut, env = self._storage_envelope(op, *self._check_storage(op, host_blocks, keys,
-                                                                   priority))
+                                                                   priority), prefetch)
         self._submit([env])
         return fut
 
@@ -907,9 +930,11 @@ class TransferClient:
         return host, k, prio
 
     def _storage_envelope(self, op: Op, host: np.ndarray | None, keys: np.ndarray,
-                          priority: int) -> tuple[TransferFuture, _Envelope]:
+                          priority: int, prefetch: PrefetchOptions | None = None
+                          ) -> tuple[TransferFuture, _Envelope]:
         fut = self._new_future(op)
-        return fut, _Envelope(fut, storage_message(op, fut.task_id, host, keys, priority))
+        return fut, _Envelope(fut, storage_message(op, fut.task_id, host, keys, priority,
+                                                   self._model_version, prefetch))
 
     def submit_batch(self, tasks: Sequence["TransferSpec"]) -> list[TransferFuture]:
         """Submit many tasks; one future per task, in order.  Every task is validated
@@ -1004,13 +1029,25 @@ class TransferClient:
     def resume(self) -> TransferFuture:
         return self._control(Op.RESUME)
 
-    def clear_caches(self, free_host: bool = False) -> TransferFuture:
+    def clear_caches(self, free_host: bool = False,
+                     model_version: str | None = None) -> TransferFuture:
         """For a weight update: every rank drains, releases its device mappings (and
         its host swap pool if ``free_host``), and reports CLEARED through the shm
         barrier; the future completes when every rank has.  Transfers meanwhile
-        get code CLEARED."""
+        get code CLEARED.
+
+        ``model_version``: the new weights' version.  Every storage request sent
+        after this call uses it (:meth:`set_model_version`), and the host swap pool
+        is freed as with ``free_host=True``, so nothing of the old weights is loaded
+        from host memory or from storage (a HostCache must also ``clear()``)."""
         free = check_flag(free_host, "free_host")
-        return self._control(Op.CLEAR, {"free_host": True} if free else None)
+        if model_version is not None:
+            version = check_model_version(model_version)
+            free = True
+        fut = self._control(Op.CLEAR, {"free_host": True} if free else None)
+        if model_version is not None:
+            self._model_version = version
+        return fut
 
     def restore_caches(self) -> TransferFuture:
         """After :meth:`clear_caches`: every rank accepts a new register.  Then each

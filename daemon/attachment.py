@@ -1,7 +1,7 @@
 """Registration and attachment: what this rank has attached, as one record.
 
 :class:`Attachment` is frozen and complete: the host swap space, the scheduler
-over it, the block counts, the layer groups and the storage fingerprint.  The
+over it, the block counts, the layer groups and the storage tier's entry layout.  The
 control thread builds a new one on ``register`` and publishes it, or publishes
 None on ``clear``, through :class:`AttachmentSlot` in a single reference
 assignment.  Every other thread reads ``slot.current`` once per request and
@@ -38,6 +38,7 @@ from kvswap.daemon.jobs import PEER_WORKERS, Completion, Job
 from kvswap.daemon.rank import RankContext
 from kvswap.daemon.registration import Registration, layout_difference
 from kvswap.daemon.scheduler import RunBatch, Scheduler
+from kvswap.daemon.storage_entries import EntryLayout
 from kvswap.daemon.storage_service import StorageService
 from kvswap.daemon.swap_space import HostSwapSpace
 
@@ -63,7 +64,7 @@ class Attachment:
     block_bytes: int  # bytes of one block over every tensor
     layer_groups: tuple[tuple[int, ...], ...]  # tensor indices per layer, by layer
     tensor_spans: tuple[tuple[int, int, int], ...]  # (tensor, offset in entry, bytes)
-    fingerprint: bytes  # the storage tier's model fingerprint (b"" without a tier)
+    entries: EntryLayout | None  # how the storage tier stores a block (None without a tier)
 
 
 class AttachmentSlot:
@@ -277,14 +278,10 @@ class Registrar:
             raise
         layers = sorted({t.layer for t in tensors})
         offsets = np.cumsum([0] + [t.bytes_per_block for t in tensors])
-        fingerprint = b""
-        if cfg.storage_url:
-            from kvswap.client.block_keys import model_fingerprint
-
-            # The TP size is part of the identity: with replicated KV heads two TP sizes
-            # can give the same per-rank layout while rank r holds other heads.
-            fingerprint = model_fingerprint(layout_hash(tensors),
-                                            f"{cfg.model_id}|tp={cfg.tp_size}")
+        # The TP size is part of the identity: with replicated KV heads two TP sizes
+        # can give the same per-rank layout while rank r holds other heads.
+        entries = (EntryLayout.of(tensors, cfg.model_id, cfg.tp_size, rank.index)
+                   if cfg.storage_url else None)
         self._storage.use_pool(swap.blocks)  # backups read the pool in place
         num_device_blocks = tensors[0].num_blocks
         att = Attachment(
@@ -301,7 +298,7 @@ class Registrar:
                                for layer in layers),
             tensor_spans=tuple((i, int(offsets[i]), t.bytes_per_block)
                                for i, t in enumerate(tensors)),
-            fingerprint=fingerprint)
+            entries=entries)
         self._slot.current = att  # published: from here on the caches are attached
         sig[RankSlot.NUM_DEVICE_BLOCKS] = att.num_device_blocks
         sig[RankSlot.NUM_HOST_BLOCKS] = att.num_host_blocks
@@ -401,7 +398,8 @@ class Registrar:
             if name not in self._demo_regions:
                 nbytes = int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
                 self._demo_regions[name] = ShmRegion.create(name, nbytes, exclusive=False)
-            descs.append(TensorDesc(t.name, t.layer, t.dtype, t.shape, {"shm": name}))
+            descs.append(TensorDesc(t.name, t.layer, t.dtype, t.shape, {"shm": name},
+                                    t.replicated))
         header = {"backend": rank.cfg.backend, "tensors": [d.to_wire() for d in descs]}
         self.admit(Job(None, 0, Op.REGISTER, time.perf_counter_ns(), header, rejoin=rejoin),
                    None)

@@ -855,7 +855,38 @@ def bench_storage(args: argparse.Namespace) -> dict:
         if mooncake is not None:
             mooncake.close()
         shutil.rmtree(store_dir, ignore_errors=True)
-    return {"storage": rows}
+    return {"storage": rows, "replication": _replication(args)}
+
+
+REPLICATION_LAYOUT = "layers=4,block_tokens=16,heads=1,head_dim=576,dtype=float16,mla=1"
+
+
+def _replication(args: argparse.Namespace) -> list[dict]:
+    """Bytes the file store holds per block for an MLA cache at TP=2, its latent tensors
+    registered as replicated (one copy, written by rank 0) and not (one per rank)."""
+    n, tp = args.blocks, 2
+    rows = []
+    for replicated in (0, 1):
+        layout = f"{REPLICATION_LAYOUT},blocks={n},replicated={replicated}"
+        store_dir = tempfile.mkdtemp(prefix="kvb-store-", dir=args.dir)
+        try:
+            with _Namespace(tp, layout, n, storage_url=f"file://{store_dir}/kv") as client:
+                keys = block_hashes(list(range(16 * n)), 16)
+                client.evict(list(range(n)), list(range(n))).result(60)
+                client.backup(list(range(n)), keys).result(120)
+                if client.prefetch(keys, list(range(n))).result(120).count != n:
+                    raise KvswapError("prefetch of the backed-up blocks came up short",
+                                      ErrorCode.STORAGE_ERROR)
+            files = [os.path.join(d, f) for d, _, fs in os.walk(store_dir) for f in fs]
+            stored = sum(os.path.getsize(f) for f in files)
+        finally:
+            shutil.rmtree(store_dir, ignore_errors=True)
+        rows.append({"tp": tp, "replicated": bool(replicated), "blocks": n,
+                     "entries": len(files), "stored_bytes_per_block": stored // n})
+    rows[1]["ratio"] = round(rows[0]["stored_bytes_per_block"]
+                             / rows[1]["stored_bytes_per_block"], 2)
+    rows[0]["ratio"] = 1.0
+    return rows
 
 
 _COUNT = value_type(int, at_least(1))
@@ -941,7 +972,8 @@ def _args_data(p: argparse.ArgumentParser) -> None:
 SCENARIOS["tasks"] = (_args_tasks, bench_tasks, "tasks/s of small tasks: merging, batching")
 SCENARIOS["storage"] = (_args_storage, bench_storage,
                         "backup / prefetch GB/s vs plain file I/O, raw Redis SET/GET and raw "
-                        "Mooncake batch_put_from/batch_get_into")
+                        "Mooncake batch_put_from/batch_get_into; bytes stored per block of an "
+                        "MLA cache at TP=2, replicated or not")
 SCENARIOS["layerwise"] = (_args_layerwise, bench_layerwise,
                           "time to the first layer vs the whole layer-wise load")
 SCENARIOS["control"] = (_args_control, bench_control,

@@ -25,7 +25,8 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from kvswap.client.layout import DEMO_LAYOUT_HELP, parse_demo_layout
-from kvswap.client.errors import NamespaceError
+from kvswap.client.errors import InvalidTask, NamespaceError
+from kvswap.client.protocol import check_model_version
 from kvswap.client.naming import NAMESPACE_RULE, Names, is_valid_namespace, tcp_endpoints
 from kvswap.daemon import docblocks
 from kvswap.daemon.options import (
@@ -107,6 +108,14 @@ def _storage_problem(url: str) -> str | None:
         check_url(url)
     except ValueError as exc:
         return str(exc)
+    return None
+
+
+def _model_version_problem(version: str) -> str | None:
+    try:
+        check_model_version(version)
+    except InvalidTask as exc:
+        return exc.message
     return None
 
 
@@ -207,6 +216,12 @@ class DaemonOptions(NamespaceOptions):
         "default", flag="--model-id", metavar="ID",
         help="model identity mixed into every stored entry's name (with the cache layout), "
              "so two models never share entries")
+    model_version: str = option(
+        "", flag="--model-version", metavar="V", default_text="none",
+        check=_model_version_problem,
+        help="version of the weights, mixed into every stored entry's name with --model-id; "
+             "the initial value of TransferClient.set_model_version, which changes it after "
+             "a weight update so that entries of the old weights are never matched")
     storage_timeout_s: float = option(
         30.0, flag="--storage-timeout", parse=float, check=positive,
         help="seconds a prefetch waits for the other ranks to agree")

@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError
-from kvswap.client.protocol import validate_transfer
+from kvswap.client.protocol import Op, validate_transfer
 from kvswap.daemon import crashpoints
 from kvswap.daemon.io_loop import IoLoop
 from kvswap.daemon.jobs import Completion, Job, Origin
@@ -108,6 +108,14 @@ class ExactlyOnce:
                                       f"a daemon crash interrupted this {d.op.value}, which other "
                                       f"ranks or nodes took part in; its host blocks hold "
                                       f"unknown content: run it again", now)
+            elif d.op is Op.BACKUP:
+                # Its entry names depend on the model version it was sent under, which
+                # the journal does not hold: replaying it under the launch's version
+                # could store new weights' blocks under an old version's names.  (The
+                # journal keeps 66 characters of a message.)
+                done = Completion.now(job, ErrorCode.OUTCOME_UNKNOWN,
+                                      "backup not replayed after a crash: its model version "
+                                      "is not kept", now)
             else:
                 try:
                     validate_transfer(d.op, d.device_ids, d.host_ids, num_device_blocks,

@@ -25,8 +25,8 @@ reply is sent.  Three facts follow:
    source and writes the same destination: the restarted daemon replays every
    ADMITTED record, in admission order, before it reports READY.  Nothing new
    is admitted before the replay ends, so no task of any client can come in
-   between.  (A prefetch or a peer transfer cannot be replayed -- other ranks
-   or nodes took part -- so it ends OUTCOME_UNKNOWN; its host blocks are released.)
+   between.  (Not a prefetch or peer transfer -- other ranks or nodes took part --
+   nor a backup -- its model version is not journaled: they end OUTCOME_UNKNOWN.)
 3. A re-sent task with no record was never admitted (or was rejected, which
    changed nothing): it is admitted now like a new one.  The exception is a
    record that was dropped to make room, which would look the same; the

@@ -37,7 +37,8 @@ class Registration:
             return f"{len(tensors)} tensors, not {len(self.tensors)}"
         for new, old in zip(tensors, self.tensors):
             if new != old:
-                what = [k for k in old if new.get(k) != old[k]]
+                what = [k for k in (*old, *(k for k in new if k not in old))
+                        if new.get(k) != old.get(k)]  # "replicated" is sent only when set
                 return f"tensor {old['name']!r} differs in {', '.join(what)}"
         return ""
 

@@ -1,7 +1,9 @@
 """The storage tier's side of the daemon: admission of backup / prefetch / exists
 (I/O thread), and their execution on the scheduler's storage worker: entry
-names, staging buffers, checksum verification on a small thread pool, and the
-cross-rank agreement a prefetch needs before it writes a host block.
+names (per part and model version, :mod:`.storage_entries`), staging buffers,
+checksum verification on a small thread pool, the prefetch policies (when
+reading stops) and the cross-rank agreement a prefetch needs before it writes a
+host block.
 """
 
 from __future__ import annotations
@@ -9,15 +11,17 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence, TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from kvswap.client.block_keys import entry_name
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError
 from kvswap.client.protocol import (
     Op,
+    PrefetchOptions,
+    PrefetchPolicy,
     Request,
+    check_model_version,
     decode_id_frame,
     decode_keys,
     validate_storage,
@@ -28,10 +32,12 @@ from kvswap.daemon.jobs import Completion, Job
 from kvswap.daemon.journal import JOURNALED_OPS
 from kvswap.daemon.rank import RankContext
 from kvswap.daemon.scheduler import Task
+from kvswap.daemon.storage_entries import EntryPart
 from kvswap.daemon.storage import (
     HEADER_BYTES,
     CorruptEntry,
     StorageBackend,
+    StorageError,
     open_backend,
     pack_entry,
     unpack_entry,
@@ -41,6 +47,9 @@ if TYPE_CHECKING:  # attachment imports this module
     from kvswap.daemon.attachment import Attachment, AttachmentSlot
 
 log = logging.getLogger("kvswap.daemon")
+
+Part = tuple[EntryPart, bytes, list[str]]  # a part, its fingerprint, the names of the keys
+_MAX_CHUNK = 64  # blocks read per round trip under a deadline policy
 
 
 def _leading(flags: list[bool]) -> int:
@@ -61,7 +70,7 @@ class StorageService:
         # Opened by the control thread at the first attach, before the storage worker
         # exists; used by that worker; closed at teardown after it ended.
         self._backend: StorageBackend | None = None
-        self._stage: np.ndarray | None = None  # storage worker: reusable staging
+        self._stage: dict[int, np.ndarray] = {}  # storage worker: reusable staging per part
         self._reported_corrupt: set[str] = set()  # storage worker
         self._verifier = ThreadPoolExecutor(2, thread_name_prefix="kvswap-verify")
 
@@ -70,8 +79,9 @@ class StorageService:
         clear/restore."""
         if self._backend is None:
             self._backend = open_backend(self._rank.cfg.storage_url)
-            log.info("storage tier %s (model id %r)", self._rank.cfg.storage_url,
-                     self._rank.cfg.model_id)
+            log.info("storage tier %s (model id %r, model version %r)",
+                     self._rank.cfg.storage_url, self._rank.cfg.model_id,
+                     self._rank.cfg.model_version)
 
     def use_pool(self, blocks: Sequence[np.ndarray]) -> None:
         """The host pool that backups read and prefetches fill, registered with the
@@ -99,6 +109,10 @@ class StorageService:
         att = self._slot.current
         assert att is not None  # READY implies attached
         n = req.header["n"]
+        if "mv" in req.header:
+            check_model_version(req.header["mv"])
+        if req.op is Op.PREFETCH:
+            PrefetchOptions.from_header(req.header)  # refused here, before anything runs
         if req.op is Op.EXISTS:
             validate_storage(req.op, None, n, att.num_host_blocks)  # the keys per message
             host = np.empty(0, dtype=np.int64)
@@ -120,18 +134,20 @@ class StorageService:
     def execute(self, task: Task, att: "Attachment") -> Completion:
         """Run one backup / prefetch / exists; never raises."""
         job = task.ctx
-        assert job.keys is not None and self._backend is not None
+        assert job.keys is not None and self._backend is not None and att.entries is not None
         t_start = time.perf_counter_ns()
         try:
-            names = [entry_name(k.tobytes(), self._rank.index, att.fingerprint)
-                     for k in job.keys]
+            # the request's model version (TransferClient.set_model_version), else the launch's
+            version = job.header.get("mv", self._rank.cfg.model_version)
+            parts = att.entries.names(job.keys, version)
             if task.op is Op.EXISTS:
-                fields = {"count": _leading(self._backend.contains(names))}
+                present = [self._backend.contains(names) for _, _, names in parts]
+                fields = {"count": _leading([all(p) for p in zip(*present)])}
             elif task.op is Op.BACKUP:
-                stored = self._backup(att, task.host_ids, names)
-                fields = {"count": stored, "skipped": len(names) - stored}
+                stored = self._backup(att, task.host_ids, parts)
+                fields = {"count": stored, "skipped": len(job.keys) - stored}
             else:
-                fields = {"count": self._prefetch(att, task, names)}
+                fields = {"count": self._prefetch(att, task, parts)}
         except KvswapError as exc:
             return Completion(job, exc.code, exc.message, t_start, time.perf_counter_ns())
         except Exception as exc:  # a backend bug must cost one task, never the daemon
@@ -140,42 +156,130 @@ class StorageService:
                               t_start, time.perf_counter_ns())
         return Completion(job, ErrorCode.OK, "", t_start, time.perf_counter_ns(), fields=fields)
 
-    def _staging(self, n: int, block_bytes: int) -> list[memoryview]:
-        """Reusable buffers for ``n`` entries: reading into memory already faulted in
-        is several times faster than a fresh buffer each."""
-        size = HEADER_BYTES + block_bytes
-        if self._stage is None or self._stage.shape[0] < n or self._stage.shape[1] != size:
+    def _staging(self, part: int, n: int, payload_bytes: int) -> list[memoryview]:
+        """Reusable buffers for ``n`` entries of one part: reading into memory already
+        faulted in is several times faster than a fresh buffer each."""
+        size = HEADER_BYTES + payload_bytes
+        stage = self._stage.get(part)
+        if stage is None or stage.shape[0] < n or stage.shape[1] != size:
             stage = np.empty((max(n, 1), size), dtype=np.uint8)
             assert self._backend is not None
             # a zero-copy store reads into registered memory: register before the old
             # buffer is freed (the backend then drops its registration of that one)
-            self._backend.register_buffers("staging", [stage])
-            self._stage = stage
-        return [memoryview(self._stage[i]) for i in range(n)]
+            self._backend.register_buffers(
+                "staging", [*(s for p, s in self._stage.items() if p != part), stage])
+            self._stage[part] = stage
+        return [memoryview(stage[i]) for i in range(n)]
 
-    def _backup(self, att: "Attachment", host_ids: np.ndarray, names: list[str]) -> int:
-        assert self._backend is not None
-        present = self._backend.contains(names)
+    def _backup(self, att: "Attachment", host_ids: np.ndarray, parts: list[Part]) -> int:
+        """Store the parts this rank writes; return how many blocks got a new entry.  A
+        rank with no part to write (every tensor replicated, rank > 0) returns every
+        block: rank 0 stores them for it."""
+        backend, entries = self._backend, att.entries
+        assert backend is not None and entries is not None
+        mine = [(part, fp, names) for part, fp, names in parts if entries.writes(part)]
+        if not mine:
+            return len(host_ids)
         blocks = att.swap.blocks
-        items = [(name, pack_entry(att.fingerprint, [b[h] for b in blocks]))
-                 for name, h, there in zip(names, host_ids.tolist(), present) if not there]
-        return sum(self._backend.put(items)) if items else 0
+        fresh = np.zeros(len(host_ids), dtype=bool)
+        for part, fp, names in mine:
+            todo = [j for j, there in enumerate(backend.contains(names)) if not there]
+            items = [(names[j], pack_entry(fp, [blocks[i][int(host_ids[j])]
+                                                for i, _, _ in part.spans])) for j in todo]
+            if items:
+                fresh[[j for j, ok in zip(todo, backend.put(items)) if ok]] = True
+        return int(fresh.sum())
 
-    def _read_verified(self, att: "Attachment", names: list[str]) -> list[memoryview]:
-        """The payloads of the longest prefix of ``names`` stored intact here.  A
-        corrupt entry ends the prefix and is deleted; a store that fails raises."""
+    def _prefetch(self, att: "Attachment", task: Task, parts: list[Part]) -> int:
+        """Load the longest prefix every rank holds intact; return its length.
+
+        Each rank reads and verifies its leading blocks (every part of each) into
+        staging areas, stopping at the first missing or corrupt entry (never used)
+        or, under a deadline policy, at the deadline.  Round 0 agrees on the
+        minimum verified count; a count below the request's ``min`` becomes 0;
+        round 1 commits it (a rank may still cancel or give up while waiting in
+        round 0, never after posting round 1).  Only then does each rank copy
+        exactly that many into its host blocks."""
+        rank, job = self._rank, task.ctx
+        opts = PrefetchOptions.from_header(job.header)
+        n = len(job.keys)
+        if n == 0 or n < opts.min_blocks:  # the same decision on every rank: no agreement
+            return 0
+        task_id = job.req_id
+
+        def cancelled() -> bool:
+            return task.cancel_requested or rank.stopping.is_set()
+
+        deadline = (None if opts.timeout is None
+                    else job.t_recv + int(opts.timeout * 1e9))  # perf_counter_ns
+        try:
+            verified = self._read_verified(parts, opts.policy, deadline, cancelled)
+        except BaseException:
+            rank.agreement.abort(task_id, last_round=1)  # the peers stop waiting for this rank
+            raise
+        timeout = rank.cfg.storage_timeout_s
+        agreed = rank.agreement.agree(task_id, 0, len(verified), timeout, cancelled,
+                                      last_round=1)
+        if agreed < opts.min_blocks:
+            agreed = 0
+        final = rank.agreement.agree(task_id, 1, agreed, timeout, cancelled, last_round=1)
+        for host, payloads in zip(task.host_ids.tolist()[:final], verified):
+            for (part, _, _), payload in zip(parts, payloads):
+                for i, off, nbytes in part.spans:
+                    att.swap.blocks[i][host] = np.frombuffer(payload, np.uint8, nbytes, off)
+        return final
+
+    def _read_verified(self, parts: list[Part], policy: PrefetchPolicy, deadline: int | None,
+                       cancelled: Callable[[], bool]) -> list[list[memoryview]]:
+        """The payloads (one per part) of the leading blocks read and verified intact.
+
+        ``wait_complete`` reads every block in one batch.  The other policies read
+        batches of 1, 2, 4 ... 64 blocks (few round trips, yet an early block is
+        not held up by a late one); a batch that ends past the deadline is dropped
+        with everything after it, and ``best_effort`` also ends at a store error,
+        keeping the batches verified before.  A cancel ends reading between batches
+        (the agreement then answers CANCELLED)."""
         backend = self._backend
         assert backend is not None
-        raws = backend.get(names, self._staging(len(names), att.block_bytes)) if names else []
+        n = len(parts[0][2])
+        stages = [self._staging(j, n, part.payload_bytes) for j, (part, _, _) in enumerate(parts)]
+        verified: list[list[memoryview]] = []
+        lo, size = 0, (n if policy is PrefetchPolicy.WAIT_COMPLETE else 1)
+        while lo < n and not cancelled():
+            hi = min(n, lo + size)
+            try:
+                raws = [backend.get(names[lo:hi], stage[lo:hi])
+                        for (_, _, names), stage in zip(parts, stages)]
+            except StorageError as exc:
+                if policy is not PrefetchPolicy.BEST_EFFORT:
+                    raise
+                log.warning("best-effort prefetch ends at block %d of %d: %s", lo, n, exc)
+                break
+            if deadline is not None and time.perf_counter_ns() > deadline:
+                break  # read too late: not used, and not judged either
+            chunk = [self._verify(part, fp, names[lo:hi], raw)
+                     for (part, fp, names), raw in zip(parts, raws)]
+            good = min(len(c) for c in chunk)
+            verified.extend(list(row) for row in zip(*(c[:good] for c in chunk)))
+            if good < hi - lo:
+                break
+            lo, size = hi, min(2 * size, _MAX_CHUNK)
+        return verified
+
+    def _verify(self, part: EntryPart, fp: bytes, names: list[str],
+                raws: list) -> list[memoryview]:
+        """The intact prefix of one part's entries, checksummed on two threads (zlib
+        and xxhash release the GIL).  A corrupt entry is reported once and deleted."""
+        backend = self._backend
+        assert backend is not None
         end = next((i for i, raw in enumerate(raws) if raw is None), len(raws))
 
         def check(raw: memoryview) -> memoryview | CorruptEntry:
             try:
-                return unpack_entry(raw, att.fingerprint, att.block_bytes)
+                return unpack_entry(raw, fp, part.payload_bytes)
             except CorruptEntry as exc:
                 return exc
 
-        # checksums on two threads (zlib releases the GIL); keep the intact prefix
         verified = []
         for name, result in zip(names, self._verifier.map(check, raws[:end])):
             if isinstance(result, CorruptEntry):
@@ -190,32 +294,3 @@ class StorageService:
                 break
             verified.append(result)
         return verified
-
-    def _prefetch(self, att: "Attachment", task: Task, names: list[str]) -> int:
-        """Load the longest prefix every rank holds intact; return its length.
-
-        Each rank reads and verifies its leading entries into a staging area,
-        stopping at the first missing or corrupt one (never used).  Round 0 agrees
-        on the minimum verified count; round 1 commits it (a rank may still cancel
-        or give up while waiting in round 0, never after posting round 1).  Only
-        then does each rank copy exactly that many into its host blocks."""
-        rank = self._rank
-        task_id = task.ctx.req_id
-
-        def cancelled() -> bool:
-            return task.cancel_requested or rank.stopping.is_set()
-
-        timeout = rank.cfg.storage_timeout_s
-        try:
-            verified = self._read_verified(att, names)
-        except BaseException:
-            # The peers wait for this rank's round 0: tell them now, not at their timeout.
-            rank.agreement.abort(task_id, last_round=1)
-            raise
-        agreed = rank.agreement.agree(task_id, 0, len(verified), timeout, cancelled,
-                                      last_round=1)
-        final = rank.agreement.agree(task_id, 1, agreed, timeout, cancelled, last_round=1)
-        for host, payload in zip(task.host_ids.tolist()[:final], verified):
-            for i, off, nbytes in att.tensor_spans:
-                att.swap.blocks[i][host] = np.frombuffer(payload, np.uint8, nbytes, off)
-        return final

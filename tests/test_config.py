@@ -128,6 +128,7 @@ NON_DEFAULT = {
     "replay_window_s": 5.0,
     "storage_url": "file:///tmp/store?capacity_bytes=1G",
     "model_id": "-m llama=3",
+    "model_version": "rev 7",
     "storage_timeout_s": 4.0,
     "drain_timeout_s": 6.0,
     "journal_records": 1000,

@@ -260,7 +260,7 @@ def test_protocol_doc_names_every_op_and_code():
     assert not missing, f"docs/protocol.md does not document: {missing}"
 
 
-_DOC_TYPE = {str: "str", int: "int", bool: "bool", list: "array", dict: "map"}
+_DOC_TYPE = {str: "str", int: "int", float: "float", bool: "bool", list: "array", dict: "map"}
 _DOC_FIELD = re.compile(r"`(\w+)` \(([a-z]+)")
 
 

@@ -227,7 +227,8 @@ class DaemonOptions(NamespaceOptions):
         help="seconds a prefetch waits for the other ranks to agree")
     drain_timeout_s: float = option(
         60.0, flag="--drain-timeout", parse=float, check=positive,
-        help="seconds a clear waits for accepted tasks to finish")
+        help="seconds a clear, or a replacing register (an engine restart), waits for "
+             "accepted tasks to finish")
     journal_records: int = option(
         65536, flag="--journal-records", parse=int, check=at_least(1),
         help="completion journal: how many finished tasks each rank remembers, so a task "

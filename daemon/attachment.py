@@ -83,8 +83,9 @@ class Registrar:
     def __init__(self, rank: RankContext, backend: Backend, io: IoLoop, slot: AttachmentSlot,
                  storage: StorageService, control: queue.SimpleQueue, run_batch: RunBatch,
                  pool_users: Sequence[PoolUser] = ()):
-        """``pool_users`` learn of each pool attached and detached (the peer ops register
-        it with their Transfer Engine)."""
+        """``pool_users`` learn of each pool attached and detached, before it is unmapped
+        (the storage service registers it with its backend, the peer ops with their
+        Transfer Engine)."""
         self._rank = rank
         self._backend = backend
         self._io = io
@@ -247,8 +248,7 @@ class Registrar:
         if cfg.storage_url:
             self._storage.open()
         if self._kept_swap is not None:  # kept across clear(free_host=False): re-adopted below
-            self._storage.use_pool([])  # before the pool is unmapped
-            self._kept_swap.close(unlink=False)
+            self._kept_swap.close(unlink=False)  # its users were detached at the clear
             self._kept_swap = None
         swap = HostSwapSpace.open(rank.names, rank.index, tensors, cfg.pool_blocks,
                                   host_bytes=cfg.host_size)
@@ -282,7 +282,6 @@ class Registrar:
         # can give the same per-rank layout while rank r holds other heads.
         entries = (EntryLayout.of(tensors, cfg.model_id, cfg.tp_size, rank.index)
                    if cfg.storage_url else None)
-        self._storage.use_pool(swap.blocks)  # backups read the pool in place
         num_device_blocks = tensors[0].num_blocks
         att = Attachment(
             swap=swap,
@@ -325,7 +324,6 @@ class Registrar:
         sig = self._rank.sig
         sig[RankSlot.CACHE_READY] = 0
         if free_host:
-            self._storage.use_pool([])  # before the pool is unmapped
             att.swap.close(unlink=True)
             sig[RankSlot.SWAP_READY] = 0
             sig[RankSlot.SWAP_BYTES_TOTAL] = 0
@@ -348,7 +346,8 @@ class Registrar:
         att = self._slot.current
         swap = att.swap if att is not None else self._kept_swap
         if swap is not None:
-            self._storage.use_pool([])  # before the pool is unmapped
+            for user in self._pool_users:  # before the pool is unmapped (idempotent)
+                user.detach()
             swap.close(unlink=True)
         for region in self._demo_regions.values():
             region.unlink()

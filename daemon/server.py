@@ -92,7 +92,7 @@ class Daemon:
             return 2
         transfers = Transfers(rank, backend, io, slot, exactly, storage, peer)
         registrar = Registrar(rank, backend, io, slot, storage, control, transfers.run_batch,
-                              pool_users=[peer])
+                              pool_users=[storage, peer])
         life = Lifecycle(rank, io, slot, registrar, exactly, transfers, peer, control)
         handlers = {
             Op.REGISTER: Handler(run=registrar.run, admit=registrar.admit),

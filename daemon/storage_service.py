@@ -45,6 +45,7 @@ from kvswap.daemon.storage import (
 
 if TYPE_CHECKING:  # attachment imports this module
     from kvswap.daemon.attachment import Attachment, AttachmentSlot
+    from kvswap.daemon.swap_space import HostSwapSpace
 
 log = logging.getLogger("kvswap.daemon")
 
@@ -83,11 +84,16 @@ class StorageService:
                      self._rank.cfg.storage_url, self._rank.cfg.model_id,
                      self._rank.cfg.model_version)
 
-    def use_pool(self, blocks: Sequence[np.ndarray]) -> None:
-        """The host pool that backups read and prefetches fill, registered with the
-        backend (control thread); ``[]`` before the pool is unmapped."""
+    def attach(self, swap: "HostSwapSpace") -> None:
+        """The pool just attached, which backups read and prefetches fill, registered
+        with the backend (a ``PoolUser`` of the Registrar; control thread)."""
         if self._backend is not None:
-            self._backend.register_buffers("host", list(blocks))
+            self._backend.register_buffers("host", list(swap.blocks))
+
+    def detach(self) -> None:
+        """The pool is about to be unmapped or kept unattached: release its registration."""
+        if self._backend is not None:
+            self._backend.register_buffers("host", [])
 
     def close(self) -> None:
         """Teardown, after the storage worker ended."""

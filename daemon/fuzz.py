@@ -752,9 +752,10 @@ class Framer:
     """Turns a case into wire frames (signing on tcp://) and predicts the reply by
     decoding the payload with the daemon's own ``decode_request``."""
 
-    def __init__(self, transport: Transport, rng: random.Random):
+    def __init__(self, transport: Transport, rng: random.Random, max_frame_bytes: int):
         self.tr = transport
         self.rng = rng
+        self.max_frame_bytes = max_frame_bytes  # the daemons' MAXMSGSIZE
 
     def wire(self, case: Case) -> Wire:
         w = self._wire(case)
@@ -800,6 +801,10 @@ class Framer:
         if case.auth is Auth.TAMPERED:
             i = self.rng.randrange(1, len(signed))
             signed[i] = bytes(signed[i]) + b"\x00"
+            if len(signed[i]) > self.max_frame_bytes:
+                # now past MAXMSGSIZE: libzmq drops the connection, and with it whatever
+                # the run's socket had in flight, so it goes on a throwaway socket
+                return Wire(signed, payload, Expect.NONE, None, forbidden, op)
             return Wire(signed, payload, Expect.MAYBE, None, forbidden, op)
         if req is not None:
             ts_seen = req.header.get("ts")
@@ -1121,7 +1126,7 @@ class Driver:
         self.tr = transport
         self.procs = procs
         self.gen = Generator(seed, target, signed=transport.secret is not None)
-        self.framer = Framer(transport, random.Random(seed ^ 0x5EED))
+        self.framer = Framer(transport, random.Random(seed ^ 0x5EED), target.max_frame_bytes)
         self.route = random.Random(seed ^ 0xA11)  # which rank gets the next case
         self.track = Tracker()
         self.kinds: collections.Counter = collections.Counter()

@@ -18,11 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import zmq
 
 from kvswap.client.naming import Names
 from kvswap.client.protocol import Reply, decode_reply
+from kvswap.daemon.demo import RankView, pattern
 from kvswap.daemon.launcher import LaunchConfig, Launcher, sweep_namespace
 
 _counter = itertools.count()
@@ -248,3 +250,27 @@ def redis_url(redis_server) -> str:
     client.flushdb()
     client.close()
     return redis_server.url
+
+
+class DeviceTags:
+    """Which content tag each device block holds, written into and compared against
+    every rank's demo caches (``kvswap.daemon.demo.pattern`` of rank, tensor and tag)."""
+
+    def __init__(self, names: Names, tp: int, tensors: list, host_blocks: int):
+        self.tensors = tensors
+        self.views = [RankView(names, r, tensors, host_blocks) for r in range(tp)]
+
+    def fill(self, blocks, tags) -> None:
+        for rank, view in enumerate(self.views):
+            for ti, t in enumerate(self.tensors):
+                view.device[ti][blocks] = pattern(rank, ti, np.asarray(tags),
+                                                  t.bytes_per_block // 8)
+
+    def has(self, blocks, tags) -> bool:
+        return all(np.array_equal(view.device[ti][blocks],
+                                  pattern(rank, ti, np.asarray(tags), t.bytes_per_block // 8))
+                   for rank, view in enumerate(self.views) for ti, t in enumerate(self.tensors))
+
+    def close(self) -> None:
+        for v in self.views:
+            v.close()

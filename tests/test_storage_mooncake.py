@@ -22,7 +22,7 @@ from kvswap.client import ErrorCode, TransferClient, TransferFailed  # noqa: E40
 from kvswap.client.block_keys import block_hashes, entry_name, model_fingerprint  # noqa: E402
 from kvswap.client.errors import StorageError, StorageTimeout  # noqa: E402
 from kvswap.client.layout import TensorDesc, demo_layout, layout_hash  # noqa: E402
-from kvswap.daemon.demo import RankView, pattern  # noqa: E402
+from conftest import DeviceTags  # noqa: E402
 from kvswap.daemon.storage import (  # noqa: E402
     HEADER_BYTES,
     CorruptEntry,
@@ -297,22 +297,12 @@ class Node:
         self.tp = tp
         self.launcher = namespaces.launch(tp=tp, demo_caches=LAYOUT, host_blocks=HOST,
                                           storage_url=url)
-        self.views = [RankView(self.launcher.names, r, TENSORS, HOST) for r in range(tp)]
+        self.device = DeviceTags(self.launcher.names, tp, TENSORS, HOST)
+        self.fill, self.has = self.device.fill, self.device.has
         self.client = TransferClient(self.launcher.names.namespace, tp,
                                      run_root=str(self.launcher.names.run_root), task_timeout=30)
         self.client.wait_ready(20)
         self.fill([*range(32)], [*range(1, 33)])  # device block b holds tag b + 1
-
-    def fill(self, blocks, tags):
-        for rank, view in enumerate(self.views):
-            for ti, t in enumerate(TENSORS):
-                view.device[ti][blocks] = pattern(rank, ti, np.asarray(tags),
-                                                  t.bytes_per_block // 8)
-
-    def has(self, blocks, tags) -> bool:
-        return all(np.array_equal(view.device[ti][blocks],
-                                  pattern(rank, ti, np.asarray(tags), t.bytes_per_block // 8))
-                   for rank, view in enumerate(self.views) for ti, t in enumerate(TENSORS))
 
     def wipe_host(self, host):
         """Overwrite host blocks with zeroed device block 31."""
@@ -321,8 +311,7 @@ class Node:
 
     def close(self):
         self.client.close()
-        for v in self.views:
-            v.close()
+        self.device.close()
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from kvswap.client.host_cache import HostCache
 from kvswap.client.layout import TensorDesc, demo_layout, layout_hash
 from kvswap.client.protocol import PROTOCOL_VERSION, packb
 from kvswap.client.signals import RankSlot, poll_until
-from kvswap.daemon.demo import RankView, pattern
+from conftest import DeviceTags
 from kvswap.daemon.storage import open_backend
 from kvswap.daemon.storage.file import shard_of
 from kvswap.daemon.supervisor import SupervisorConfig
@@ -224,33 +224,11 @@ def _fp(version: str) -> bytes:
     return model_fingerprint(layout_hash(TENSORS), f"default|tp=2|version={version}")
 
 
-class Tags:
-    """Which content tag each device block holds, written into every rank's demo caches."""
-
-    def __init__(self, launcher):
-        self.views = [RankView(launcher.names, r, TENSORS, HOST) for r in range(TP)]
-
-    def fill(self, blocks, tags) -> None:
-        for rank, view in enumerate(self.views):
-            for ti, t in enumerate(TENSORS):
-                view.device[ti][blocks] = pattern(rank, ti, np.asarray(tags),
-                                                  t.bytes_per_block // 8)
-
-    def has(self, blocks, tags) -> bool:
-        return all(np.array_equal(view.device[ti][blocks],
-                                  pattern(rank, ti, np.asarray(tags), t.bytes_per_block // 8))
-                   for rank, view in enumerate(self.views) for ti, t in enumerate(TENSORS))
-
-    def close(self) -> None:
-        for v in self.views:
-            v.close()
-
-
 def test_entries_of_an_old_model_version_are_never_matched(namespaces, tmp_path):
     url = f"file://{tmp_path}/store"
     launcher = namespaces.launch(tp=TP, demo_caches=LAYOUT, host_blocks=HOST, storage_url=url,
                                  model_version="v1")
-    tags = Tags(launcher)
+    tags = DeviceTags(launcher.names, TP, TENSORS, HOST)
     client = _client(launcher)
     try:
         keys = _keys(4, salt=2)
@@ -325,7 +303,7 @@ def test_a_backup_a_crash_interrupted_is_not_replayed_under_another_version(
 def _policy_system(namespaces, tmp_path, n: int):
     url = f"file://{tmp_path}/store"
     launcher = namespaces.launch(tp=TP, demo_caches=LAYOUT, host_blocks=HOST, storage_url=url)
-    tags = Tags(launcher)
+    tags = DeviceTags(launcher.names, TP, TENSORS, HOST)
     client = _client(launcher)
     keys = _keys(n, salt=3)
     tags.fill(list(range(n)), list(range(1, n + 1)))

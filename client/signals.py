@@ -530,10 +530,10 @@ class RankSignals:
     def __getitem__(self, field: RankSlot) -> int:
         return int(self.slots[field])
 
-    def __setitem__(self, field: R, value: int) -> None:
+    def __setitem__(self, field: RankSlot, value: int) -> None:
         self.slots[field] = value
 
-    def add(self, field: R, delta: int) -> None:
+    def add(self, field: RankSlot, delta: int) -> None:
         """Increment; only for fields whose single writer is the calling thread."""
         self.slots[field] = int(self.slots[field]) + delta
 

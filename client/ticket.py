@@ -42,6 +42,7 @@ import msgpack
 
 from kvswap.client.auth import mac
 from kvswap.client.errors import ErrorCode, KvswapError
+from kvswap.client.protocol import packb
 
 KIND = "kvswap-peer-ticket"
 VERSION = 1
@@ -111,7 +112,7 @@ class Ticket:
                 "nonce": self.nonce, "ranks": [r.to_wire() for r in self.ranks]}
 
     def _digest(self, secret: bytes) -> bytes:
-        return mac(secret, [msgpack.packb(self.body(), use_bin_type=True)])
+        return mac(secret, [packb(self.body())])
 
     def signed(self, secret: bytes) -> "Ticket":
         return replace(self, mac=self._digest(secret))
@@ -120,7 +121,7 @@ class Ticket:
         body = self.body()
         if self.mac:
             body["mac"] = self.mac
-        return msgpack.packb(body, use_bin_type=True)
+        return packb(body)
 
     # ------------------------------------------------------------------ reading
     @classmethod

@@ -25,14 +25,11 @@ import msgpack
 import zmq
 
 from kvswap.client.errors import ErrorCode
+from kvswap.client.protocol import packb
 from kvswap.client.ticket import Ticket, TicketRefused
 from kvswap.daemon import crashpoints
 
 MAX_EARLY = 1024  # begins a receiver keeps while their receive has not arrived yet
-
-
-def packb(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
 
 
 class RecvState(enum.Enum):

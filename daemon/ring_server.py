@@ -77,6 +77,7 @@ class RingServer:
             raise
         self._sender = _CompletionSender(self)
         self._backlog: collections.deque[list] = collections.deque()  # replies not written yet
+        self._bell_owed = False  # a reply was written while the client's reader slept
         self.read = 0  # requests read (for tests and stats)
 
     def fileno(self) -> int:
@@ -124,8 +125,15 @@ class RingServer:
     def _put(self, frames: list) -> bool:
         rc = self._seg.completion.put(frames)
         if rc > 0:
-            self._tx.ring()
+            self._bell_owed = True
         return rc >= 0
+
+    def publish(self) -> None:
+        """Ring the completion bell if a reply written since the last call found the
+        client's reader asleep (the I/O loop calls this once per round)."""
+        if self._bell_owed:
+            self._bell_owed = False
+            self._tx.ring()
 
     def _flush(self) -> None:
         while self._backlog and self._put(self._backlog[0]):

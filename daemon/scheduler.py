@@ -122,7 +122,7 @@ class Scheduler:
         self._seq = 0
         self._cv = threading.Condition()
         self._stopping = False
-        self.merged_batches = 0
+        self.merged_batches = 0  # under the lock: batches of several tasks finished
         self._threads = [
             threading.Thread(target=self._worker, args=(lane,), name=f"{lane}-{i}", daemon=True)
             for lane, count in (("transfer", workers), ("storage", storage_workers),
@@ -171,8 +171,11 @@ class Scheduler:
             return task
 
     def finish(self, batch: Sequence[Task]) -> None:
-        """Mark a batch done and release its dependents."""
+        """Mark a batch done and release its dependents (a batch of several tasks
+        ran as one merged copy pass, by a worker or by the I/O thread)."""
         with self._cv:
+            if len(batch) > 1:
+                self.merged_batches += 1
             for t in batch:
                 t.state = TaskState.DONE
                 self._release(t)
@@ -263,8 +266,6 @@ class Scheduler:
                 blocks += nxt.num_blocks
         for t in batch:
             t.state = TaskState.RUNNING
-        if len(batch) > 1:
-            self.merged_batches += 1
         return batch
 
     # ------------------------------------------------------------------ workers

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -32,11 +33,13 @@ from kvswap.daemon.jobs import Completion, Job
 from kvswap.daemon.journal import JOURNALED_OPS
 from kvswap.daemon.rank import RankContext
 from kvswap.daemon.scheduler import Task
+from kvswap.daemon.storage.mooncake_buffers import address
 from kvswap.daemon.storage_entries import EntryPart
 from kvswap.daemon.storage import (
     HEADER_BYTES,
     CorruptEntry,
     StorageBackend,
+    Stored,
     StorageError,
     open_backend,
     pack_entry,
@@ -51,6 +54,18 @@ log = logging.getLogger("kvswap.daemon")
 
 Part = tuple[EntryPart, bytes, list[str]]  # a part, its fingerprint, the names of the keys
 _MAX_CHUNK = 64  # blocks read per round trip under a deadline policy
+_READ_CHUNK = 32  # blocks read per round trip under wait_complete (checks overlap reads)
+
+
+@dataclass
+class _Checks:
+    """One chunk of a prefetch read into staging, its checks running: rows ``lo`` to
+    ``lo + size`` of each part; per part, one future per entry up to its first miss."""
+
+    lo: int
+    size: int
+    names: list[list[str]]
+    futures: list[list[Future]]
 
 
 def _leading(flags: list[bool]) -> int:
@@ -162,9 +177,10 @@ class StorageService:
                               t_start, time.perf_counter_ns())
         return Completion(job, ErrorCode.OK, "", t_start, time.perf_counter_ns(), fields=fields)
 
-    def _staging(self, part: int, n: int, payload_bytes: int) -> list[memoryview]:
-        """Reusable buffers for ``n`` entries of one part: reading into memory already
-        faulted in is several times faster than a fresh buffer each."""
+    def _staging(self, part: int, n: int, payload_bytes: int) -> np.ndarray:
+        """Reusable rows for ``n`` entries of one part (an entry's header, then its
+        payload): reading into memory already faulted in is several times faster than
+        a fresh buffer each."""
         size = HEADER_BYTES + payload_bytes
         stage = self._stage.get(part)
         if stage is None or stage.shape[0] < n or stage.shape[1] != size:
@@ -175,7 +191,7 @@ class StorageService:
             self._backend.register_buffers(
                 "staging", [*(s for p, s in self._stage.items() if p != part), stage])
             self._stage[part] = stage
-        return [memoryview(stage[i]) for i in range(n)]
+        return stage
 
     def _backup(self, att: "Attachment", host_ids: np.ndarray, parts: list[Part]) -> int:
         """Store the parts this rank writes; return how many blocks got a new entry.  A
@@ -200,7 +216,7 @@ class StorageService:
         """Load the longest prefix every rank holds intact; return its length.
 
         Each rank reads and verifies its leading blocks (every part of each) into
-        staging areas, stopping at the first missing or corrupt entry (never used)
+        staging rows, stopping at the first missing or corrupt entry (never used)
         or, under a deadline policy, at the deadline.  Round 0 agrees on the
         minimum verified count; a count below the request's ``min`` becomes 0;
         round 1 commits it (a rank may still cancel or give up while waiting in
@@ -218,85 +234,127 @@ class StorageService:
 
         deadline = (None if opts.timeout is None
                     else job.t_recv + int(opts.timeout * 1e9))  # perf_counter_ns
+        stages = [self._staging(j, n, part.payload_bytes) for j, (part, _, _) in enumerate(parts)]
         try:
-            verified = self._read_verified(parts, opts.policy, deadline, cancelled)
+            verified = self._read_verified(parts, stages, opts.policy, deadline, cancelled)
         except BaseException:
             rank.agreement.abort(task_id, last_round=1)  # the peers stop waiting for this rank
             raise
         timeout = rank.cfg.storage_timeout_s
-        agreed = rank.agreement.agree(task_id, 0, len(verified), timeout, cancelled,
-                                      last_round=1)
+        agreed = rank.agreement.agree(task_id, 0, verified, timeout, cancelled, last_round=1)
         if agreed < opts.min_blocks:
             agreed = 0
         final = rank.agreement.agree(task_id, 1, agreed, timeout, cancelled, last_round=1)
-        for host, payloads in zip(task.host_ids.tolist()[:final], verified):
-            for (part, _, _), payload in zip(parts, payloads):
-                for i, off, nbytes in part.spans:
-                    att.swap.blocks[i][host] = np.frombuffer(payload, np.uint8, nbytes, off)
+        if final:
+            hosts = task.host_ids[:final]
+
+            def gather(span: tuple[np.ndarray, int, int, int]) -> None:
+                stage, i, off, nbytes = span  # numpy leaves the GIL for the copy
+                att.swap.blocks[i][hosts] = stage[:final, HEADER_BYTES + off:
+                                                  HEADER_BYTES + off + nbytes]
+
+            # one gather per tensor (not per block), on the verifier's two threads
+            list(self._verifier.map(gather, [(stage, *span) for (part, _, _), stage
+                                             in zip(parts, stages) for span in part.spans]))
         return final
 
-    def _read_verified(self, parts: list[Part], policy: PrefetchPolicy, deadline: int | None,
-                       cancelled: Callable[[], bool]) -> list[list[memoryview]]:
-        """The payloads (one per part) of the leading blocks read and verified intact.
+    def _read_verified(self, parts: list[Part], stages: list[np.ndarray],
+                       policy: PrefetchPolicy, deadline: int | None,
+                       cancelled: Callable[[], bool]) -> int:
+        """How many leading blocks were read into the staging rows (``stages``: one
+        array per part) and verified intact.
 
-        ``wait_complete`` reads every block in one batch.  The other policies read
-        batches of 1, 2, 4 ... 64 blocks (few round trips, yet an early block is
-        not held up by a late one); a batch that ends past the deadline is dropped
-        with everything after it, and ``best_effort`` also ends at a store error,
-        keeping the batches verified before.  A cancel ends reading between batches
-        (the agreement then answers CANCELLED)."""
+        Reading goes in chunks, and a chunk is verified on the verifier's threads
+        while the next one is read (the store's calls and the checksums both leave
+        the GIL): a chunk's checks cost next to nothing beside the next chunk's read.
+        ``wait_complete`` reads chunks of :data:`_READ_CHUNK` blocks.  The other
+        policies read chunks of 1, 2, 4 ... 64 blocks (few round trips, yet an early
+        block is not held up by a late one); a chunk that ends past the deadline is
+        dropped with everything after it, and ``best_effort`` also ends at a store
+        error, keeping the chunks verified before.  Reading stops at the first chunk
+        with a missing or corrupt entry, and at a cancel (the agreement then answers
+        CANCELLED)."""
         backend = self._backend
         assert backend is not None
         n = len(parts[0][2])
-        stages = [self._staging(j, n, part.payload_bytes) for j, (part, _, _) in enumerate(parts)]
-        verified: list[list[memoryview]] = []
-        lo, size = 0, (n if policy is PrefetchPolicy.WAIT_COMPLETE else 1)
-        while lo < n and not cancelled():
-            hi = min(n, lo + size)
-            try:
-                raws = [backend.get(names[lo:hi], stage[lo:hi])
-                        for (_, _, names), stage in zip(parts, stages)]
-            except StorageError as exc:
-                if policy is not PrefetchPolicy.BEST_EFFORT:
-                    raise
-                log.warning("best-effort prefetch ends at block %d of %d: %s", lo, n, exc)
-                break
-            if deadline is not None and time.perf_counter_ns() > deadline:
-                break  # read too late: not used, and not judged either
-            chunk = [self._verify(part, fp, names[lo:hi], raw)
-                     for (part, fp, names), raw in zip(parts, raws)]
-            good = min(len(c) for c in chunk)
-            verified.extend(list(row) for row in zip(*(c[:good] for c in chunk)))
-            if good < hi - lo:
-                break
-            lo, size = hi, min(2 * size, _MAX_CHUNK)
-        return verified
+        good = 0  # blocks verified intact so far
+        checking: _Checks | None = None  # the chunk read last, its checks running
+        lo, size = 0, (_READ_CHUNK if policy is PrefetchPolicy.WAIT_COMPLETE else 1)
+        try:
+            while lo < n and not cancelled():
+                hi = min(n, lo + size)
+                try:
+                    raws = [backend.get(names[lo:hi], [memoryview(r) for r in stage[lo:hi]])
+                            for (_, _, names), stage in zip(parts, stages)]
+                except StorageError as exc:
+                    if policy is not PrefetchPolicy.BEST_EFFORT:
+                        raise
+                    log.warning("best-effort prefetch ends at block %d of %d: %s", lo, n, exc)
+                    break
+                if checking is not None:
+                    intact, checking = self._intact(checking), None
+                    good += intact
+                    if good < lo:  # the previous chunk ended early: this one is not used
+                        break
+                if deadline is not None and time.perf_counter_ns() > deadline:
+                    break  # read too late: not used, and not judged either
+                checking = self._check(parts, stages, lo, raws)
+                lo = hi
+                if policy is not PrefetchPolicy.WAIT_COMPLETE:
+                    size = min(2 * size, _MAX_CHUNK)
+        finally:
+            if checking is not None:  # also on the way out of an error: no check outlives us
+                good += self._intact(checking)
+        return good
 
-    def _verify(self, part: EntryPart, fp: bytes, names: list[str],
-                raws: list) -> list[memoryview]:
-        """The intact prefix of one part's entries, checksummed on two threads (zlib
-        and xxhash release the GIL).  A corrupt entry is reported once and deleted."""
-        backend = self._backend
-        assert backend is not None
-        end = next((i for i, raw in enumerate(raws) if raw is None), len(raws))
+    def _check(self, parts: list[Part], stages: list[np.ndarray], lo: int,
+               raws: list[list]) -> "_Checks":
+        """Start the checks of one chunk (``raws``: each part's entries as read, rows
+        ``lo`` on of its staging area) on the verifier's threads.  An entry the backend
+        returned elsewhere (a store that cannot read in place) is copied into its row
+        first, so every verified payload is where the commit gathers it from."""
 
-        def check(raw: memoryview) -> memoryview | CorruptEntry:
+        def check(part: EntryPart, fp: bytes, raw: Stored, row: np.ndarray
+                  ) -> CorruptEntry | None:
+            view = memoryview(raw)
+            if view.nbytes <= row.nbytes and address(view)[0] != row.ctypes.data:
+                row[:view.nbytes] = np.frombuffer(view, np.uint8)
+                view = memoryview(row)[:view.nbytes]
             try:
-                return unpack_entry(raw, fp, part.payload_bytes)
+                unpack_entry(view, fp, part.payload_bytes)
             except CorruptEntry as exc:
                 return exc
+            return None
 
-        verified = []
-        for name, result in zip(names, self._verifier.map(check, raws[:end])):
-            if isinstance(result, CorruptEntry):
-                if name not in self._reported_corrupt and len(self._reported_corrupt) < 100_000:
-                    self._reported_corrupt.add(name)
-                    # names are entry_name()'s hex and digits, never a peer's raw text
-                    log.warning("storage entry %s is unusable (%s); treated as a miss and "
-                                "deleted", name, result)
-                # stores never overwrite (a backup skips existing names): remove it so
-                # the block can be backed up again
-                backend.delete([name])
-                break
-            verified.append(result)
-        return verified
+        futures = []
+        for (part, fp, names), stage, got in zip(parts, stages, raws):
+            end = next((i for i, raw in enumerate(got) if raw is None), len(got))
+            futures.append([self._verifier.submit(check, part, fp, raw, stage[lo + i])
+                            for i, raw in enumerate(got[:end])])
+        return _Checks(lo, len(raws[0]), [names for _, _, names in parts], futures)
+
+    def _intact(self, checks: "_Checks") -> int:
+        """How many leading blocks of a checked chunk are intact in every part (waits
+        for its checks).  A corrupt entry is reported once and deleted."""
+        backend = self._backend
+        assert backend is not None
+        intact = checks.size
+        for names, futures in zip(checks.names, checks.futures):
+            ok = len(futures)
+            for i, future in enumerate(futures):
+                result = future.result()
+                if isinstance(result, CorruptEntry):
+                    name = names[checks.lo + i]
+                    if (name not in self._reported_corrupt
+                            and len(self._reported_corrupt) < 100_000):
+                        self._reported_corrupt.add(name)
+                        # names are entry_name()'s hex and digits, never a peer's raw text
+                        log.warning("storage entry %s is unusable (%s); treated as a miss "
+                                    "and deleted", name, result)
+                    # stores never overwrite (a backup skips existing names): remove it
+                    # so the block can be backed up again
+                    backend.delete([name])
+                    ok = i
+                    break
+            intact = min(intact, ok)
+        return intact

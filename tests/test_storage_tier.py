@@ -42,8 +42,8 @@ def _client(launcher) -> TransferClient:
 class Tags:
     """The test's model of which content tag every device and host block holds."""
 
-    def __init__(self, launcher):
-        self.views = [RankView(launcher.names, r, TENSORS, HOST) for r in range(2)]
+    def __init__(self, launcher, host: int = HOST):
+        self.views = [RankView(launcher.names, r, TENSORS, host) for r in range(2)]
         self.dev = np.zeros(32, dtype=np.int64)
         self.fill_device(list(range(32)), list(range(1, 33)))  # block b holds tag b + 1
 
@@ -174,6 +174,40 @@ def test_corrupt_entry_is_a_miss_and_never_loaded(namespaces, tmp_path, damage):
         assert log.count(f"storage entry {name} is unusable") == 1
         assert store.contains([name]) == [False]  # deleted, so it can be backed up again
         assert client.backup([0, 1, 2, 3], keys).result().replies[0].fields["count"] == 1
+    finally:
+        store.close()
+        client.close()
+        tags.close()
+
+
+def test_a_corrupt_entry_in_a_later_read_chunk_ends_the_prefix_there(namespaces, tmp_path):
+    """A prefetch reads in chunks (32 blocks) and verifies one while reading the next:
+    a corrupt entry of the second chunk, on one rank, ends the agreed prefix at it on
+    both ranks, is reported once and deleted, and nothing past it is loaded."""
+    url = f"file://{tmp_path}/store"
+    n, host = 48, 96
+    launcher = namespaces.launch(tp=2, demo_caches=LAYOUT, host_blocks=host, storage_url=url)
+    tags = Tags(launcher, host)
+    client = _client(launcher)
+    store = open_backend(url)
+    try:
+        keys = _keys(n, salt=9)
+        client.evict([i % 32 for i in range(n)], list(range(n))).result()  # tag i % 32 + 1
+        assert client.backup(list(range(n)), keys).result().count == n
+        name = entry_name(keys[40], 1, FINGERPRINT)
+        raw = bytearray(bytes(store.get([name])[0]))
+        raw[100] ^= 0x01
+        store.delete([name])
+        assert store.put([(name, [bytes(raw)])]) == [True]
+        tags.fill_device([31], [0])
+        client.evict([31] * n, list(range(n, 2 * n))).result()  # zero the destinations
+        got = client.prefetch(keys, list(range(n, 2 * n))).result()
+        assert [r.fields["count"] for r in got.replies.values()] == [40, 40]
+        client.load([n + 38, n + 39, n + 40], [0, 1, 2]).result()
+        assert tags.device_has([0, 1, 2], [38 % 32 + 1, 39 % 32 + 1, 0])
+        log = (launcher.names.run_dir / "rank1.log").read_text()
+        assert log.count(f"storage entry {name} is unusable") == 1
+        assert store.contains([name]) == [False]
     finally:
         store.close()
         client.close()

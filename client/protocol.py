@@ -161,6 +161,7 @@ class OpSpec:
 # Fields any request may carry (docs/protocol.md section 3): the sending client's id, the
 # message's sequence number in that client, and whether it is a re-send after a restart.
 COMMON_OPTIONAL: dict[str, type] = {"cid": int, "cs": int, "re": bool}
+_OP_NAMES = {op.value: op for op in Op}
 
 # ep: the sender's view of every rank's epoch; a rank whose epoch differs refuses the
 # task with RANK_RESTARTED, so nothing addressed to a dead daemon runs on its successor
@@ -303,10 +304,9 @@ def decode_request(frames: Sequence[Any], max_header_bytes: int = MAX_HEADER_BYT
             req_id,
         )
     op_name = header.get("op")
-    try:
-        op = Op(op_name)
-    except ValueError:
-        raise RequestError(ErrorCode.UNKNOWN_OP, f"unknown op {op_name!r}", req_id) from None
+    op = _OP_NAMES.get(op_name) if isinstance(op_name, str) else None  # not Op(): 1 us
+    if op is None:
+        raise RequestError(ErrorCode.UNKNOWN_OP, f"unknown op {op_name!r}", req_id)
     spec = OPS[op]
     check_fields(header, spec, req_id)
     for name, t in COMMON_OPTIONAL.items():
@@ -858,10 +858,10 @@ def encode_reply(req_id: int | None, rank: int, code: ErrorCode = ErrorCode.OK,
                  message: str = "", queued_us: float = 0.0, exec_us: float = 0.0,
                  **fields: Any) -> bytes:
     body = {
-        "v": list(PROTOCOL_VERSION),
+        "v": PROTOCOL_VERSION,  # a tuple packs as an array, as a list does
         "id": req_id,
         "rank": rank,
-        "ok": code == ErrorCode.OK,
+        "ok": code == 0,
         "code": int(code),
         "message": message,
         "tq": round(queued_us, 1),

@@ -89,6 +89,33 @@ def test_any_overlap_orders_whatever_the_direction(make, first, second):
     gate.release(1)
 
 
+def test_large_and_small_tasks_see_each_others_blocks():
+    """Tasks of more than 32 ids take the array path of the hazard table, smaller ones
+    the scalar path: each sees the blocks the other wrote, either way round."""
+    gate = Gate()
+    s = Scheduler(256, 256, gate, workers=4)
+    try:
+        s.submit(Op.EVICT, np.arange(40), np.arange(40), ctx=0)  # large
+        small = s.submit(Op.LOAD, ids(39), ids(100), ctx=1)  # device 39: after 0
+        s.submit(Op.EVICT, ids(120), ids(120), ctx=2)  # small, independent
+        large = s.submit(Op.LOAD, np.arange(60, 100), np.arange(100, 140), ctx=3)  # host 100
+        free = s.submit(Op.LOAD, np.arange(60, 100), np.arange(41, 81), ctx=4)
+        assert (small.deps, large.deps) == (1, 1)
+        assert free.deps == 1  # device 60..99 overlap task 3's destinations
+        assert sorted(map(tuple, gate.wait_started(2))) == [(0,), (2,)]
+        gate.release(0, 2)
+        assert gate.wait_started(3)[2] == [1]
+        gate.release(1)
+        assert gate.wait_started(4)[3] == [3]
+        gate.release(3)
+        assert gate.wait_started(5)[4] == [4]
+        gate.release(4)
+    finally:
+        gate.release(*range(10))
+        s.stop()
+        assert s.join(WAIT)
+
+
 def test_chain_of_three_is_transitive(make):
     s, gate = make(workers=3)
     s.submit(Op.EVICT, ids(1), ids(1), ctx=0)

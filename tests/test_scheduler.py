@@ -93,11 +93,11 @@ def test_large_and_small_tasks_see_each_others_blocks():
     """Tasks of more than 32 ids take the array path of the hazard table, smaller ones
     the scalar path: each sees the blocks the other wrote, either way round."""
     gate = Gate()
-    s = Scheduler(256, 256, gate, workers=4)
+    s = Scheduler(256, 256, gate, workers=4, merge=False)
     try:
         s.submit(Op.EVICT, np.arange(40), np.arange(40), ctx=0)  # large
         small = s.submit(Op.LOAD, ids(39), ids(100), ctx=1)  # device 39: after 0
-        s.submit(Op.EVICT, ids(120), ids(120), ctx=2)  # small, independent
+        s.submit(Op.EVICT, ids(200), ids(200), ctx=2)  # small, independent
         large = s.submit(Op.LOAD, np.arange(60, 100), np.arange(100, 140), ctx=3)  # host 100
         free = s.submit(Op.LOAD, np.arange(60, 100), np.arange(41, 81), ctx=4)
         assert (small.deps, large.deps) == (1, 1)

@@ -105,14 +105,8 @@ RECORD = struct.Struct(
 )
 assert RECORD.size == 128, RECORD.size
 STATE_OFFSET = 8 * 6 + 4 + 4 + 2  # byte offset of ``state`` inside a record
-# What finish() writes of a record, field by field (the rest stays as admitted).
-OUTCOME_FIELDS = struct.Struct("<QQ")  # reply fields a and b
-FIELDS_OFFSET = 8 * 4
-CODE = struct.Struct("<H")
-CODE_OFFSET = STATE_OFFSET - CODE.size
-OP_OFFSET = STATE_OFFSET + 1
-MESSAGE_BYTES = 66
-MESSAGE_OFFSET = RECORD.size - MESSAGE_BYTES
+# finish() writes in place: reply fields a, b (QQ at 32), code (H at 56), the message
+OUTCOME_AT, CODE_AT, OP_AT, MESSAGE_BYTES = 8 * 4, STATE_OFFSET - 2, STATE_OFFSET + 1, 66
 
 # Header slots.
 _MAGIC, _CAPACITY, _ARENA, _HEAD, _TAIL, _ARENA_HEAD, _DROPPED = range(7)
@@ -163,11 +157,6 @@ def reply_fields(op: Op, a: int, b: int) -> dict:
     return {"bytes": a} if op in (Op.PEER_RECV, Op.PEER_SEND) else {"count": a}
 
 
-def _wide(ids: np.ndarray) -> bool:
-    """Whether ids need 8 bytes each in the arena (validated ids are never negative)."""
-    return ids.dtype.itemsize > 4 and ids.size > 0 and int(ids.max()) > 0x7FFFFFFF
-
-
 def split_fields(op: Op, fields: dict) -> tuple[int, int]:
     if op in (Op.EVICT, Op.LOAD, Op.PEER_RECV, Op.PEER_SEND):
         return int(fields.get("bytes", 0)), int(fields.get("merged", 0))
@@ -185,9 +174,7 @@ class Journal:
         self._region = region
         self.reused = reused
         whole = region.array(0, (region.size,), np.uint8)
-        # struct and single bytes go through a memoryview: about twice as fast as
-        # through the ndarray on the admission path; the arena is read back as an array
-        self._buf = memoryview(whole)
+        self._buf = memoryview(whole)  # struct and bytes: ~2x faster than via the ndarray
         hdr = HEADER.unpack_from(self._buf, 0)
         self.capacity = int(hdr[_CAPACITY])
         self.arena_bytes = int(hdr[_ARENA])
@@ -250,10 +237,10 @@ class Journal:
         """Record an admitted task; return its sequence number.  Raises
         :class:`JournalFull` (changing nothing) if no record or arena space is free.
         Ids are kept as int32 when every one fits (they are validated block ids)."""
-        wide = _wide(device_ids) or _wide(host_ids)
-        dtype = "<i8" if wide else "<i4"
+        wide = any(a.dtype.itemsize > 4 and a.size and int(a.max()) > 0x7FFFFFFF
+                   for a in (device_ids, host_ids))
+        width, dtype = (8, "<i8") if wide else (4, "<i4")
         n = int(host_ids.shape[0])  # block pairs, or keys (one host block each)
-        width = 8 if wide else 4
         length = (device_ids.size + host_ids.size) * width + (keys.size if keys is not None
                                                               else 0)
         with self._lock:
@@ -269,14 +256,10 @@ class Journal:
                     f"for the {length} bytes of ids and keys of this task while earlier tasks "
                     f"run; retry once tasks finish (or raise --journal-mib)")
             pos = self._arena_offset + off % self.arena_bytes
-            for arr in (device_ids, host_ids):
-                raw = arr.astype(dtype, copy=False).tobytes()
-                self._buf[pos:pos + len(raw)] = raw
-                pos += len(raw)
-            if keys is not None:
-                self._buf[pos:pos + keys.size] = keys.tobytes()
-            seq = head
-            at = self._at(seq)
+            self._buf[pos:pos + length] = b"".join(
+                [a.astype(dtype, copy=False).tobytes() for a in (device_ids, host_ids)]
+                + ([keys.tobytes()] if keys is not None else []))
+            seq, at = head, self._at(head)
             RECORD.pack_into(self._buf, at, task_id, cid, cs, off, 0, 0, length, n, 0,
                              RecordState.EMPTY, _OP_CODE[op], layerwise, width, b"")
             self._buf[at + STATE_OFFSET] = RecordState.ADMITTED
@@ -294,11 +277,11 @@ class Journal:
                     or self._state(seq) != RecordState.ADMITTED):
                 return
             at = self._at(seq)
-            a, b = split_fields(_CODE_OP[self._buf[at + OP_OFFSET]], fields or {})
-            OUTCOME_FIELDS.pack_into(self._buf, at + FIELDS_OFFSET, a, b)
-            CODE.pack_into(self._buf, at + CODE_OFFSET, int(code))
-            text = message.encode("utf-8", "replace")[:MESSAGE_BYTES]
-            self._buf[at + MESSAGE_OFFSET:at + RECORD.size] = text.ljust(MESSAGE_BYTES, b"\0")
+            a, b = split_fields(_CODE_OP[self._buf[at + OP_AT]], fields or {})
+            text = message.encode("utf-8", "replace")[:MESSAGE_BYTES].ljust(MESSAGE_BYTES, b"\0")
+            struct.pack_into("<QQ", self._buf, at + OUTCOME_AT, a, b)
+            struct.pack_into("<H", self._buf, at + CODE_AT, int(code))
+            self._buf[at + RECORD.size - MESSAGE_BYTES:at + RECORD.size] = text
             self._buf[at + STATE_OFFSET] = RecordState.DONE
 
     # ------------------------------------------------------------------ re-sends

@@ -68,6 +68,10 @@ class Task:
     ctx: Any = None  # the daemon's job (who to answer)
     state: TaskState = TaskState.WAITING
     cancel_requested: bool = False  # a running prefetch stops at its next agreement step
+    # submit() returned it RUNNING to its caller, who runs it (never in a ready heap).
+    # Set under the lock before submit returns and never changed: the caller must read
+    # this, not ``state``, which a worker may set to RUNNING the moment submit returns.
+    claimed: bool = False
     deps: int = 0
     dependents: list["Task"] = field(default_factory=list)
 
@@ -138,9 +142,10 @@ class Scheduler:
     def submit(self, op: Op, device_ids: np.ndarray, host_ids: np.ndarray, *, priority: int = 0,
                layerwise: bool = False, ctx: Any = None, claim_if_alone: bool = False) -> Task:
         """Admit a task.  With ``claim_if_alone``, a task that is ready at once while no
-        other task is ready is returned RUNNING instead of queued: the caller runs it
-        itself (no hand-off to a worker) and then calls :meth:`finish`.  Nothing else
-        is ready, so no ordering or priority question can arise."""
+        other task is ready is returned claimed (``Task.claimed``, RUNNING) instead of
+        queued: the caller runs it itself (no hand-off to a worker) and then calls
+        :meth:`finish`.  Nothing else is ready, so no ordering or priority question
+        can arise."""
         with self._cv:
             if self._stopping:
                 raise RuntimeError("scheduler is stopping")
@@ -181,6 +186,7 @@ class Scheduler:
             if task.deps == 0:
                 if claim_if_alone and not any(self._ready[op] for op in _TRANSFER_OPS):
                     task.state = TaskState.RUNNING
+                    task.claimed = True
                 else:
                     self._make_ready(task)
             return task

@@ -14,9 +14,13 @@ workers merge the queued tasks they take.  A pipelined engine sends many one-blo
 tasks back to back; one pass costs one copy plan and one call into the copy
 kernel for all of them.  Claiming keeps hazard order: a claimed task is RUNNING
 in the scheduler, so a later task touching its blocks waits for it like for any
-running task, and runs once the pass has finished it.  A pass is bounded by
-``--inline-max-bytes``, so the I/O thread never copies more at once than it would
-for one task; with ``--no-merge`` every claimed task is copied on its own at once.
+running task, and runs once the pass has finished it.  A burst claims at most
+``--inline-max-bytes`` in all: what does not fit is queued, and a worker merges
+it into a pass of its own, so the I/O thread copies no more per burst than it
+would for one task and goes back to reading.  With ``--no-merge`` every claimed
+task is copied on its own at once.  The submitter learns that it claimed a task
+from ``Task.claimed``, never from its state: a task it queued may be RUNNING on
+a worker by the time it looks.
 """
 
 from __future__ import annotations
@@ -107,16 +111,14 @@ class Transfers:
         self._exactly.admit(job, origin, dev, host, layerwise=layerwise)
         self._rank.sig.add(RankSlot.INFLIGHT, 1)
         nbytes = dev.shape[0] * att.block_bytes
-        limit = self._rank.cfg.inline_max_bytes
+        room = self._claimed_bytes + nbytes <= self._rank.cfg.inline_max_bytes
         task = att.scheduler.submit(job.op, dev, host, priority=int(fields.get("priority", 0)),
                                     layerwise=layerwise, ctx=job,
-                                    claim_if_alone=nbytes <= limit and not layerwise)
-        if task.state is TaskState.RUNNING:
+                                    claim_if_alone=room and not layerwise)
+        if task.claimed:
             # Small, ready, nothing else waiting: copied on this thread, which saves
-            # two thread hand-offs, with the other small tasks of this burst.
-            if self._claimed and (self._claimed[0].op is not task.op
-                                  or self._claimed_bytes + nbytes > limit):
-                self.end_burst()
+            # two thread hand-offs, with the other small tasks of this burst.  What
+            # does not fit the pass is queued: a worker merges it in a pass of its own.
             self._claimed.append(task)
             self._claimed_bytes += nbytes
             if not att.scheduler.merge:
@@ -127,18 +129,25 @@ class Transfers:
         release their dependents, answer them (I/O thread: at the end of each read
         burst, and before any request that is not an evict, load or batch, so that a
         cancel, a pause or a clear finds them finished)."""
-        batch = self._claimed
-        if not batch:
+        claimed = self._claimed
+        if not claimed:
             return
         self._claimed, self._claimed_bytes = [], 0
         att = self._slot.current
         assert att is not None  # clear waits for running tasks; these are RUNNING
-        done = self.execute(batch, att)
-        for c in done:
-            self._exactly.record(c)
-        att.scheduler.finish(batch)
-        for c in done:
-            self._io.deliver(c)
+        # One pass per direction.  Claimed tasks never overlap one another (a task
+        # touching a claimed one's blocks depends on it, so it is never claimed), so
+        # the passes may run in either order.
+        for op in (Op.EVICT, Op.LOAD):
+            batch = [t for t in claimed if t.op is op]
+            if not batch:
+                continue
+            done = self.execute(batch, att)
+            for c in done:
+                self._exactly.record(c)
+            att.scheduler.finish(batch)
+            for c in done:
+                self._io.deliver(c)
 
     def cancel(self, job: Job, req: Request | None) -> dict:
         assert req is not None

@@ -116,6 +116,25 @@ def test_large_and_small_tasks_see_each_others_blocks():
         assert s.join(WAIT)
 
 
+def test_claimed_is_the_submitters_answer_whatever_the_workers_do(make):
+    """A task queued because another is ready can be taken by a worker (RUNNING) by the
+    time its submitter looks: only ``claimed`` says whether the submitter must run it.
+    (The I/O thread once read ``state`` and copied such a task a second time.)"""
+    s, gate = make(workers=1)
+    mine = s.submit(Op.EVICT, ids(1), ids(1), ctx=0, claim_if_alone=True)
+    assert mine.claimed and mine.state is TaskState.RUNNING and gate.started == []
+    s.submit(Op.EVICT, ids(2), ids(2), ctx=1)  # the worker takes it and holds
+    assert gate.wait_started(1) == [[1]]
+    s.submit(Op.EVICT, ids(3), ids(3), ctx=2)  # ready, waiting for the worker
+    queued = s.submit(Op.EVICT, ids(4), ids(4), ctx=3, claim_if_alone=True)
+    assert not queued.claimed and queued.state is TaskState.READY
+    gate.release(1, 2)
+    assert gate.wait_started(3)[2] == [3]
+    assert queued.state is TaskState.RUNNING and not queued.claimed
+    s.finish([mine])
+    gate.release(3)
+
+
 def test_chain_of_three_is_transitive(make):
     s, gate = make(workers=3)
     s.submit(Op.EVICT, ids(1), ids(1), ctx=0)

@@ -133,28 +133,35 @@ def path_used(client: TransferClient) -> str:
 
 
 def bench_tasks(args: argparse.Namespace) -> dict:
+    """Merging off (the reference), on, and ``submit_batch``: both namespaces up at
+    once and measured in turns, each round in a rotated order, so that the machine's
+    load between rows moves every row alike."""
     blocks = 4096
-    rows = []
-    for label, merge in (("no_merge", False), ("merge", True)):
-        with _Namespace(args.tp, TASKS_LAYOUT, blocks, path=args.path, merge=merge) as client:
+    with _Namespace(args.tp, TASKS_LAYOUT, blocks, path=args.path, merge=False) as off, \
+            _Namespace(args.tp, TASKS_LAYOUT, blocks, path=args.path, merge=True) as on:
+        runs: list[tuple[str, Callable[[], float]]] = [
+            ("no_merge", lambda: _pipelined(off, args.tasks, args.window, blocks)),
+            ("merge", lambda: _pipelined(on, args.tasks, args.window, blocks)),
+            ("batch64", lambda: _batched(on, args.tasks, 64, blocks)),
+        ]
+        for client in (off, on):
             _pipelined(client, 500, args.window, blocks)  # warm-up
-            rate = statistics.median(_pipelined(client, args.tasks, args.window, blocks)
-                                     for _ in range(args.repeat))
-            row = {"mode": label, "tp": args.tp, "path": path_used(client),
-                   "tasks_per_s": round(rate)}
-            if label == "merge":
-                merged = sum(r.fields["counters"]["merged_batches"]
-                             for r in client.stats().result(10).replies.values())
-                row["merged_batches"] = merged
-                batch_rate = statistics.median(_batched(client, args.tasks, 64, blocks)
-                                               for _ in range(args.repeat))
-                rows.append(row)
-                row = {"mode": "batch64", "tp": args.tp, "path": path_used(client),
-                       "tasks_per_s": round(batch_rate)}
-            rows.append(row)
-    base = rows[0]["tasks_per_s"]
-    for r in rows:
-        r["vs_no_merge"] = round(r["tasks_per_s"] / base, 2)
+        rates: dict[str, list[float]] = {name: [] for name, _ in runs}
+        for k in range(args.repeat):
+            for name, run in _rotated(runs, k):
+                rates[name].append(run())
+        merged = sum(r.fields["counters"]["merged_batches"]
+                     for r in on.stats().result(10).replies.values())
+        paths = {"no_merge": path_used(off), "merge": path_used(on), "batch64": path_used(on)}
+    base = statistics.median(rates["no_merge"])
+    rows = []
+    for name, _ in runs:
+        rate = statistics.median(rates[name])
+        row = {"mode": name, "tp": args.tp, "path": paths[name], "tasks_per_s": round(rate),
+               "vs_no_merge": round(rate / base, 2)}
+        if name == "merge":
+            row["merged_batches"] = merged
+        rows.append(row)
     return {"tasks": rows}
 
 

@@ -48,9 +48,9 @@ def ids(*x):
 def make():
     made = []
 
-    def _make(workers=2, merge=False, gate=None):
+    def _make(workers=2, merge=False, gate=None, blocks=16):
         gate = gate or Gate()
-        s = Scheduler(16, 16, gate, workers=workers, merge=merge)
+        s = Scheduler(blocks, blocks, gate, workers=workers, merge=merge)
         made.append((s, gate))
         return s, gate
 
@@ -89,31 +89,25 @@ def test_any_overlap_orders_whatever_the_direction(make, first, second):
     gate.release(1)
 
 
-def test_large_and_small_tasks_see_each_others_blocks():
+def test_large_and_small_tasks_see_each_others_blocks(make):
     """Tasks of more than 32 ids take the array path of the hazard table, smaller ones
     the scalar path: each sees the blocks the other wrote, either way round."""
-    gate = Gate()
-    s = Scheduler(256, 256, gate, workers=4, merge=False)
-    try:
-        s.submit(Op.EVICT, np.arange(40), np.arange(40), ctx=0)  # large
-        small = s.submit(Op.LOAD, ids(39), ids(100), ctx=1)  # device 39: after 0
-        s.submit(Op.EVICT, ids(200), ids(200), ctx=2)  # small, independent
-        large = s.submit(Op.LOAD, np.arange(60, 100), np.arange(100, 140), ctx=3)  # host 100
-        free = s.submit(Op.LOAD, np.arange(60, 100), np.arange(41, 81), ctx=4)
-        assert (small.deps, large.deps) == (1, 1)
-        assert free.deps == 1  # device 60..99 overlap task 3's destinations
-        assert sorted(map(tuple, gate.wait_started(2))) == [(0,), (2,)]
-        gate.release(0, 2)
-        assert gate.wait_started(3)[2] == [1]
-        gate.release(1)
-        assert gate.wait_started(4)[3] == [3]
-        gate.release(3)
-        assert gate.wait_started(5)[4] == [4]
-        gate.release(4)
-    finally:
-        gate.release(*range(10))
-        s.stop()
-        assert s.join(WAIT)
+    s, gate = make(workers=4, blocks=256)
+    s.submit(Op.EVICT, np.arange(40), np.arange(40), ctx=0)  # large
+    small = s.submit(Op.LOAD, ids(39), ids(100), ctx=1)  # device 39: after 0
+    s.submit(Op.EVICT, ids(200), ids(200), ctx=2)  # small, independent
+    large = s.submit(Op.LOAD, np.arange(60, 100), np.arange(100, 140), ctx=3)  # host 100
+    after = s.submit(Op.LOAD, np.arange(60, 100), np.arange(41, 81), ctx=4)  # large
+    assert (small.deps, large.deps) == (1, 1)
+    assert after.deps == 1  # device 60..99: task 3 writes them
+    assert sorted(map(tuple, gate.wait_started(2))) == [(0,), (2,)]
+    gate.release(0, 2)
+    assert gate.wait_started(3)[2] == [1]
+    gate.release(1)
+    assert gate.wait_started(4)[3] == [3]
+    gate.release(3)
+    assert gate.wait_started(5)[4] == [4]
+    gate.release(4)
 
 
 def test_claimed_is_the_submitters_answer_whatever_the_workers_do(make):

@@ -266,7 +266,9 @@ class StorageService:
 
         Reading goes in chunks, and a chunk is verified on the verifier's threads
         while the next one is read (the store's calls and the checksums both leave
-        the GIL): a chunk's checks cost next to nothing beside the next chunk's read.
+        the GIL), so on a host with cores to spare the checks hide behind the reads
+        (on the two-CPU development VM the reads slow down by as much: no gain there,
+        docs/storage.md section 7).
         ``wait_complete`` reads chunks of :data:`_READ_CHUNK` blocks.  The other
         policies read chunks of 1, 2, 4 ... 64 blocks (few round trips, yet an early
         block is not held up by a late one); a chunk that ends past the deadline is

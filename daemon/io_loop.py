@@ -140,7 +140,6 @@ class IoLoop:
         for s in STOP_SIGNALS:
             signal.signal(s, lambda *_: None)
         self._handlers: dict[Op, Handler] = {}  # serve()'s table; ring requests use it too
-        self._end_burst: Callable[[], None] = lambda: None  # serve()'s; see Handler.merges
         # the shared-memory rings beside the ipc:// socket (docs/protocol.md section 15)
         self._rings = RingServer(rank.names, rank.index, rank.epoch,
                                  lambda *message: self._on_request(self._handlers, *message))
@@ -179,14 +178,12 @@ class IoLoop:
         router.setsockopt(zmq.LINGER, 2000)
 
     def serve(self, handlers: dict[Op, Handler], begin_stop: Callable[[str], None],
-              workers_done: Callable[[], bool], end_burst: Callable[[], None]) -> None:
+              workers_done: Callable[[], bool]) -> None:
         """The loop, until a stop has begun and every worker has finished.
 
-        ``end_burst`` runs after each burst of requests read from the ring or a socket,
-        and before any request of an op that does not merge (:class:`Handler`).  The
-        completion doorbell is rung once per round of the loop, after every reply of
-        the round is written: a reader woken by the first reply of a burst would take
-        it alone and sleep again before the next."""
+        The completion doorbell is rung once per round of the loop, after every reply of
+        the round is written: a reader woken by the first reply of a burst would take it
+        alone and sleep again before the next."""
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self._done.rx, zmq.POLLIN)
@@ -194,7 +191,6 @@ class IoLoop:
         if self.tcp_router is not None:
             poller.register(self.tcp_router, zmq.POLLIN)
         self._handlers = handlers
-        self._end_burst = end_burst
         poller.register(self._rings.fileno(), zmq.POLLIN)
         stopping = self._rank.stopping
         while True:
@@ -212,7 +208,6 @@ class IoLoop:
                 self.flush_completions()
             if self._rings.fileno() in events:
                 self._rings.drain()
-                end_burst()
             for sock, signed in ((self.router, False), (self.tcp_router, True)):
                 if sock is None or sock not in events:
                     continue
@@ -221,7 +216,6 @@ class IoLoop:
                     if message is None:
                         break
                     self._on_request(handlers, *message, sock, signed)
-                end_burst()
             self._rings.publish()
 
     @staticmethod
@@ -297,8 +291,6 @@ class IoLoop:
             return
         job = Job(route, req.id, req.op, t_recv, req.header)
         handler = handlers[req.op]
-        if not handler.merges:
-            self._end_burst()
         try:
             if handler.admit is None:
                 assert handler.run is not None

@@ -93,13 +93,10 @@ class Handler:
     """``run`` answers an INLINE op in the I/O thread (returning reply fields, or None
     when the reply comes later) or executes a SERIAL job on the control thread;
     TRANSFER ops have ``admit`` only, which validates in the I/O thread and hands the
-    task to the scheduler.  ``merges``: the op's small ready tasks may be copied
-    together at the end of the read burst (daemon/transfers.py); the I/O thread ends
-    the burst before serving any op without it."""
+    task to the scheduler."""
 
     run: Callable[[Job, Request | None], dict | None] | None = None
     admit: Callable[[Job, Request | None], None] | None = None
-    merges: bool = False
 
 
 def check_handlers(handlers: dict[Op, Handler]) -> None:

@@ -193,7 +193,7 @@ class Scheduler:
 
     def finish(self, batch: Sequence[Task]) -> None:
         """Mark a batch done and release its dependents (a batch of several tasks
-        ran as one merged copy pass, by a worker or by the I/O thread)."""
+        ran as one merged copy pass)."""
         with self._cv:
             if len(batch) > 1:
                 self.merged_batches += 1

@@ -2,25 +2,10 @@
 
 Admission validates a task completely before any byte moves, journals it and
 hands it to the scheduler of the current attachment.  A small task that is
-ready with nothing else waiting is copied on the I/O thread (two thread
+ready with nothing else waiting is copied on the I/O thread at once (two thread
 hand-offs cost more than the copy); everything else runs on a transfer worker
 (:meth:`Transfers.run_batch`), which also hands storage ops to the storage
 service.
-
-Small ready tasks that arrive in one burst (what one read of the ring or the
-socket brings) are *claimed* as they are admitted and copied together when the
-burst ends (:meth:`Transfers.end_burst`), as one merged copy pass, like the
-workers merge the queued tasks they take.  A pipelined engine sends many one-block
-tasks back to back; one pass costs one copy plan and one call into the copy
-kernel for all of them.  Claiming keeps hazard order: a claimed task is RUNNING
-in the scheduler, so a later task touching its blocks waits for it like for any
-running task, and runs once the pass has finished it.  A burst claims at most
-``--inline-max-bytes`` in all: what does not fit is queued, and a worker merges
-it into a pass of its own, so the I/O thread copies no more per burst than it
-would for one task and goes back to reading.  With ``--no-merge`` every claimed
-task is copied on its own at once.  The submitter learns that it claimed a task
-from ``Task.claimed``, never from its state: a task it queued may be RUNNING on
-a worker by the time it looks.
 """
 
 from __future__ import annotations
@@ -66,9 +51,6 @@ class Transfers:
         self._exactly = exactly
         self._storage = storage
         self._peer = peer
-        # I/O thread: small ready tasks of this burst, RUNNING, copied at its end
-        self._claimed: list[Task] = []
-        self._claimed_bytes = 0
 
     # ---------------------------------------------------------------- I/O thread
     def admit(self, job: Job, req: Request | None) -> None:
@@ -110,44 +92,17 @@ class Transfers:
             raise InvalidTask("layerwise applies to load only", ErrorCode.BAD_FIELD)
         self._exactly.admit(job, origin, dev, host, layerwise=layerwise)
         self._rank.sig.add(RankSlot.INFLIGHT, 1)
-        nbytes = dev.shape[0] * att.block_bytes
-        room = self._claimed_bytes + nbytes <= self._rank.cfg.inline_max_bytes
+        small = dev.shape[0] * att.block_bytes <= self._rank.cfg.inline_max_bytes
         task = att.scheduler.submit(job.op, dev, host, priority=int(fields.get("priority", 0)),
                                     layerwise=layerwise, ctx=job,
-                                    claim_if_alone=room and not layerwise)
+                                    claim_if_alone=small and not layerwise)
         if task.claimed:
-            # Small, ready, nothing else waiting: copied on this thread, which saves
-            # two thread hand-offs, with the other small tasks of this burst.  What
-            # does not fit the pass is queued: a worker merges it in a pass of its own.
-            self._claimed.append(task)
-            self._claimed_bytes += nbytes
-            if not att.scheduler.merge:
-                self.end_burst()
-
-    def end_burst(self) -> None:
-        """Copy the tasks claimed in this burst as one pass, journal each outcome,
-        release their dependents, answer them (I/O thread: at the end of each read
-        burst, and before any request that is not an evict, load or batch, so that a
-        cancel, a pause or a clear finds them finished)."""
-        claimed = self._claimed
-        if not claimed:
-            return
-        self._claimed, self._claimed_bytes = [], 0
-        att = self._slot.current
-        assert att is not None  # clear waits for running tasks; these are RUNNING
-        # One pass per direction.  Claimed tasks never overlap one another (a task
-        # touching a claimed one's blocks depends on it, so it is never claimed), so
-        # the passes may run in either order.
-        for op in (Op.EVICT, Op.LOAD):
-            batch = [t for t in claimed if t.op is op]
-            if not batch:
-                continue
-            done = self.execute(batch, att)
-            for c in done:
-                self._exactly.record(c)
-            att.scheduler.finish(batch)
-            for c in done:
-                self._io.deliver(c)
+            # Small, ready, nothing else waiting: copy here and save two thread hand-offs.
+            # (``claimed``, not the state: a queued task may already be RUNNING on a worker.)
+            (done,) = self.execute([task], att)
+            self._exactly.record(done)
+            att.scheduler.finish([task])
+            self._io.deliver(done)
 
     def cancel(self, job: Job, req: Request | None) -> dict:
         assert req is not None

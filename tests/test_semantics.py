@@ -147,46 +147,6 @@ def test_concurrent_overlapping_tasks_equal_sequential_model(namespaces):
             v.close()
 
 
-def test_small_tasks_of_one_burst_are_copied_as_one_pass_in_hazard_order(namespaces):
-    """Small ready tasks that arrive together are claimed by the I/O thread and copied
-    as one merged pass at the end of the burst; a task touching a claimed task's
-    blocks waits for that pass (it is RUNNING) and then runs with its bytes.
-
-    The daemon is frozen while the five tasks are sent, so it reads them in one burst:
-    the three independent evicts share one pass (each reply says ``merged`` 3), the
-    load of host block 0 into device block 5 runs after the evict that fills host
-    block 0, and the evict of device block 5 runs after that load."""
-    launcher = namespaces.launch(tp=1, demo_caches=TINY, host_blocks=TINY_HOST)
-    tensors = [TensorDesc(t.name, t.layer, t.dtype, t.shape) for t in demo_layout(TINY)]
-    views = [RankView(launcher.names, 0, tensors, TINY_HOST)]
-    dev_tag = np.arange(1, 17, dtype=np.int64)
-    host_tag = np.zeros(TINY_HOST, dtype=np.int64)
-    _fill(views, tensors, dev_tag)
-    client = _client(launcher)
-    pid = launcher.procs[0].pid
-    try:
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            futures = [client.evict([0], [0]), client.evict([1], [1]),
-                       client.load([0], [5]),  # reads host 0: after the first evict
-                       client.evict([2], [2]),
-                       client.evict([5], [6])]  # reads device 5: after the load
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        merged = [f.result(timeout=30).replies[0].fields["merged"] for f in futures]
-        host_tag[[0, 1, 2]] = dev_tag[[0, 1, 2]]
-        dev_tag[5] = host_tag[0]
-        host_tag[6] = dev_tag[5]
-        _check(views, tensors, dev_tag, host_tag)
-        assert merged[0] == merged[1] == merged[3] == 3, merged
-        (counters,) = [r.fields["counters"] for r in client.stats().result(10).replies.values()]
-        assert counters["merged_batches"] >= 1 and counters["failed"] == 0
-    finally:
-        client.close()
-        for v in views:
-            v.close()
-
-
 # ------------------------------------------------------------------ layer-wise
 
 LAYERS = 8

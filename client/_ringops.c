@@ -66,6 +66,17 @@ ring_open(ring_t *r, PyObject *seg, Py_ssize_t ctl, Py_ssize_t data, Py_ssize_t 
     return 0;
 }
 
+/* The (seg, ctl, data, cap) arguments of get, arm and wanted, opened as a ring. */
+static int
+ring_args(ring_t *r, PyObject *args)
+{
+    PyObject *seg;
+    Py_ssize_t ctl, data, cap;
+    if (!PyArg_ParseTuple(args, "Onnn", &seg, &ctl, &data, &cap))
+        return -1;
+    return ring_open(r, seg, ctl, data, cap);
+}
+
 static inline uint64_t
 pad8(uint64_t n)
 {
@@ -175,12 +186,8 @@ corrupt(ring_t *r, uint64_t head, const char *why, unsigned long long a)
 static PyObject *
 get(PyObject *self, PyObject *args)
 {
-    PyObject *seg;
-    Py_ssize_t ctl, data, cap;
-    if (!PyArg_ParseTuple(args, "Onnn", &seg, &ctl, &data, &cap))
-        return NULL;
     ring_t r;
-    if (ring_open(&r, seg, ctl, data, cap) < 0)
+    if (ring_args(&r, args) < 0)
         return NULL;
     uint64_t tail = *r.tail; /* only this consumer writes it */
     uint64_t head = __atomic_load_n(r.head, __ATOMIC_ACQUIRE);
@@ -240,12 +247,8 @@ get(PyObject *self, PyObject *args)
 static PyObject *
 arm(PyObject *self, PyObject *args)
 {
-    PyObject *seg;
-    Py_ssize_t ctl, data, cap;
-    if (!PyArg_ParseTuple(args, "Onnn", &seg, &ctl, &data, &cap))
-        return NULL;
     ring_t r;
-    if (ring_open(&r, seg, ctl, data, cap) < 0)
+    if (ring_args(&r, args) < 0)
         return NULL;
     __atomic_store_n(r.sleep, 1, __ATOMIC_SEQ_CST);
     int empty = __atomic_load_n(r.head, __ATOMIC_SEQ_CST) == *r.tail;
@@ -260,12 +263,8 @@ arm(PyObject *self, PyObject *args)
 static PyObject *
 wanted(PyObject *self, PyObject *args)
 {
-    PyObject *seg;
-    Py_ssize_t ctl, data, cap;
-    if (!PyArg_ParseTuple(args, "Onnn", &seg, &ctl, &data, &cap))
-        return NULL;
     ring_t r;
-    if (ring_open(&r, seg, ctl, data, cap) < 0)
+    if (ring_args(&r, args) < 0)
         return NULL;
     uint32_t one = 1;
     int hit = __atomic_compare_exchange_n(r.want, &one, 0, 0, __ATOMIC_SEQ_CST,

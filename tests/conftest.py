@@ -252,6 +252,25 @@ def redis_url(redis_server) -> str:
     return redis_server.url
 
 
+@pytest.fixture
+def mooncake_master():
+    """A fresh mooncake_master for the test, stopped (and its directory removed) after it;
+    skips when kvswap[mooncake] is not installed."""
+    pytest.importorskip("mooncake.store", reason="kvswap[mooncake] is not installed (pip "
+                        "install 'kvswap[mooncake]')")
+    from kvswap.daemon.storage.mooncake_master import MooncakeMaster, find_master
+
+    binary = find_master()
+    if binary is None:
+        pytest.skip("mooncake_master is not installed (pip install 'kvswap[mooncake]')")
+    master = MooncakeMaster(binary)
+    try:
+        master.start()
+        yield master
+    finally:
+        master.close()
+
+
 class DeviceTags:
     """Which content tag each device block holds, written into and compared against
     every rank's demo caches (``kvswap.daemon.demo.pattern`` of rank, tensor and tag)."""

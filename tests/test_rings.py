@@ -45,6 +45,15 @@ def names(run_root):
         os.unlink(f"/dev/shm/{name}")
 
 
+@pytest.fixture
+def seg(names):
+    """A rank-0 ring segment of 4096-byte rings (epoch 1), unlinked after the test."""
+    segment = RingSegment.create(names, 0, 1, capacity=4096)
+    yield segment
+    segment.unlink()
+    segment.close()
+
+
 def _segment_table() -> dict[str, tuple[str, str]]:
     """field -> (offset, size) from the segment table of the module docstring."""
     lines = rings.__doc__.splitlines()
@@ -93,32 +102,27 @@ def test_layout_matches_the_docstring(names):
         seg.close()
 
 
-def test_order_kept_across_wrap_around(names):
+def test_order_kept_across_wrap_around(seg):
     """Records of many sizes through a small ring, far past its end, many times."""
-    seg = RingSegment.create(names, 0, 1, capacity=4096)
-    try:
-        ring = seg.request
-        sent = received = 0
-        wraps = 0
-        while received < 3000:
-            while True:
-                body = struct.pack("<Q", sent) * (1 + sent % 37)
-                if ring.put([body, struct.pack("<I", sent)]) < 0:
-                    break
-                sent += 1
-            while (frames := ring.get()) is not None:
-                body, seq = frames
-                n, = struct.unpack("<I", seq)
-                assert n == received, "lost, duplicated or reordered"
-                assert body == struct.pack("<Q", n) * (1 + n % 37)
-                received += 1
-            wraps += 1
-        head, = struct.unpack_from("<Q", seg.region._buf, rings.REQUEST_CTL)
-        assert head > 50 * 4096  # wrapped many times over
-        assert ring.get() is None
-    finally:
-        seg.unlink()
-        seg.close()
+    ring = seg.request
+    sent = received = 0
+    wraps = 0
+    while received < 3000:
+        while True:
+            body = struct.pack("<Q", sent) * (1 + sent % 37)
+            if ring.put([body, struct.pack("<I", sent)]) < 0:
+                break
+            sent += 1
+        while (frames := ring.get()) is not None:
+            body, seq = frames
+            n, = struct.unpack("<I", seq)
+            assert n == received, "lost, duplicated or reordered"
+            assert body == struct.pack("<Q", n) * (1 + n % 37)
+            received += 1
+        wraps += 1
+    head, = struct.unpack_from("<Q", seg.region._buf, rings.REQUEST_CTL)
+    assert head > 50 * 4096  # wrapped many times over
+    assert ring.get() is None
 
 
 _PRODUCER = textwrap.dedent("""
@@ -185,77 +189,57 @@ def test_full_ring_backpressure_between_processes(names):
         seg.close()
 
 
-def test_doorbell_only_when_the_consumer_sleeps(names):
-    seg = RingSegment.create(names, 0, 1, capacity=4096)
-    try:
-        ring = seg.completion
-        assert ring.put([b"a"]) == 1  # asleep since creation: ring
-        assert ring.put([b"b"]) == 0  # already rung, not re-armed: no second bell
-        assert ring.arm() is False  # records waiting: the consumer must not sleep
-        assert ring.put([b"c"]) == 0
-        assert [ring.get(), ring.get(), ring.get(), ring.get()] == [[b"a"], [b"b"], [b"c"], None]
-        assert ring.arm() is True
-        assert ring.put([b"d"]) == 1
-    finally:
-        seg.unlink()
-        seg.close()
+def test_doorbell_only_when_the_consumer_sleeps(seg):
+    ring = seg.completion
+    assert ring.put([b"a"]) == 1  # asleep since creation: ring
+    assert ring.put([b"b"]) == 0  # already rung, not re-armed: no second bell
+    assert ring.arm() is False  # records waiting: the consumer must not sleep
+    assert ring.put([b"c"]) == 0
+    assert [ring.get(), ring.get(), ring.get(), ring.get()] == [[b"a"], [b"b"], [b"c"], None]
+    assert ring.arm() is True
+    assert ring.put([b"d"]) == 1
 
 
-def test_records_too_large_are_refused(names):
-    seg = RingSegment.create(names, 0, 1, capacity=4096)
-    try:
-        with pytest.raises(ValueError, match="exceeds half the ring"):
-            seg.request.put([bytes(2048)])
-        with pytest.raises(ValueError, match="1 to 512 frames"):
-            seg.request.put([b"x"] * 513)
-        assert not rings.fits([bytes(2048)], 4096) and rings.fits([bytes(2000)], 4096)
-        assert seg.request.get() is None  # nothing was written
-    finally:
-        seg.unlink()
-        seg.close()
+def test_records_too_large_are_refused(seg):
+    with pytest.raises(ValueError, match="exceeds half the ring"):
+        seg.request.put([bytes(2048)])
+    with pytest.raises(ValueError, match="1 to 512 frames"):
+        seg.request.put([b"x"] * 513)
+    assert not rings.fits([bytes(2048)], 4096) and rings.fits([bytes(2000)], 4096)
+    assert seg.request.get() is None  # nothing was written
 
 
 @pytest.mark.parametrize("corrupt", ["size", "kind", "lengths", "head"])
-def test_malformed_records_are_refused_and_the_ring_recovers(names, corrupt):
-    seg = RingSegment.create(names, 0, 1, capacity=4096)
-    try:
-        ring = seg.request
-        ring.put([b"first", b"frame"])
-        buf, data, ctl = seg.region._buf, rings.DATA_OFFSET, rings.REQUEST_CTL
-        if corrupt == "size":
-            struct.pack_into("<I", buf, data, 10_000)
-        elif corrupt == "kind":
-            struct.pack_into("<H", buf, data + 6, 9)
-        elif corrupt == "lengths":
-            struct.pack_into("<I", buf, data + 8, 1)
-        else:
-            struct.pack_into("<Q", buf, ctl, 1 << 40)
-        with pytest.raises(RingCorrupt):
-            ring.get()
-        assert ring.get() is None  # everything unread was dropped
-        assert ring.put([b"next"]) >= 0
-        assert ring.get() == [b"next"]  # and the ring works again
-    finally:
-        seg.unlink()
-        seg.close()
+def test_malformed_records_are_refused_and_the_ring_recovers(seg, corrupt):
+    ring = seg.request
+    ring.put([b"first", b"frame"])
+    buf, data, ctl = seg.region._buf, rings.DATA_OFFSET, rings.REQUEST_CTL
+    if corrupt == "size":
+        struct.pack_into("<I", buf, data, 10_000)
+    elif corrupt == "kind":
+        struct.pack_into("<H", buf, data + 6, 9)
+    elif corrupt == "lengths":
+        struct.pack_into("<I", buf, data + 8, 1)
+    else:
+        struct.pack_into("<Q", buf, ctl, 1 << 40)
+    with pytest.raises(RingCorrupt):
+        ring.get()
+    assert ring.get() is None  # everything unread was dropped
+    assert ring.put([b"next"]) >= 0
+    assert ring.get() == [b"next"]  # and the ring works again
 
 
-def test_one_owner_at_a_time(names):
-    seg = RingSegment.create(names, 0, 1, capacity=4096)
-    try:
-        me, other = owner_token(os.getpid(), 1), owner_token(os.getpid(), 2)
-        assert seg.claim(me) and seg.claim(me)
-        assert not seg.claim(other)
-        seg.release(me)
-        assert seg.claim(other)
-        seg.release(other)
-        dead = subprocess.Popen([sys.executable, "-c", "pass"])
-        dead.wait()
-        assert seg.claim(owner_token(dead.pid, 3))
-        assert seg.claim(me), "a claim whose process is gone is taken over"
-    finally:
-        seg.unlink()
-        seg.close()
+def test_one_owner_at_a_time(seg):
+    me, other = owner_token(os.getpid(), 1), owner_token(os.getpid(), 2)
+    assert seg.claim(me) and seg.claim(me)
+    assert not seg.claim(other)
+    seg.release(me)
+    assert seg.claim(other)
+    seg.release(other)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert seg.claim(owner_token(dead.pid, 3))
+    assert seg.claim(me), "a claim whose process is gone is taken over"
 
 
 def test_server_serves_a_peer_and_leaves_nothing(names):

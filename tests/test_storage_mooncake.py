@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ pytest.importorskip("mooncake.store", reason="kvswap[mooncake] is not installed 
 from kvswap.client import ErrorCode, TransferClient, TransferFailed  # noqa: E402
 from kvswap.client.block_keys import block_hashes, entry_name, model_fingerprint  # noqa: E402
 from kvswap.client.errors import StorageError, StorageTimeout  # noqa: E402
+from kvswap.client.signals import poll_until  # noqa: E402
 from kvswap.client.layout import TensorDesc, demo_layout, layout_hash  # noqa: E402
 from conftest import DeviceTags  # noqa: E402
 from kvswap.daemon.storage import (  # noqa: E402
@@ -38,18 +40,25 @@ FP = bytes(range(16))
 ROW = 4096
 
 
+
+def _once_storage_answers(attempt: Callable[[], None], failing: ErrorCode, timeout: float,
+                          what: str) -> None:
+    """Run ``attempt`` until it stops failing; meanwhile every failure is ``failing``."""
+
+    def tried() -> bool | None:
+        try:
+            attempt()
+        except TransferFailed as exc:
+            assert {f.code for f in exc.failures} == {failing}
+            return None
+        return True
+
+    assert poll_until(tried, time.monotonic() + timeout, first_sleep=0.05, max_sleep=0.2), what
+
+
 @pytest.fixture
-def master():
-    """A fresh mooncake_master for the test, stopped (and its directory removed) after it."""
-    binary = find_master()
-    if binary is None:
-        pytest.skip("mooncake_master is not installed (pip install 'kvswap[mooncake]')")
-    m = MooncakeMaster(binary)
-    try:
-        m.start()
-        yield m
-    finally:
-        m.close()
+def master(mooncake_master):
+    return mooncake_master
 
 
 @pytest.fixture
@@ -407,16 +416,12 @@ def test_master_killed_fails_storage_ops_within_the_timeout_and_swaps_go_on(mast
     master.start()
     # The ranks' clients reconnect and re-mount their segments by themselves; the new
     # master starts empty.  Until a segment is mounted a put finds no room (STORAGE_ERROR).
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            assert c.exists(keys).result().count == 0
-            assert c.backup([0, 1], keys).result().count == 2
-            break
-        except TransferFailed as exc:
-            assert {f.code for f in exc.failures} == {ErrorCode.STORAGE_ERROR}
-            assert time.monotonic() < deadline, "storage did not come back after a restart"
-            time.sleep(0.2)
+    def stored_again() -> None:
+        assert c.exists(keys).result().count == 0
+        assert c.backup([0, 1], keys).result().count == 2
+
+    _once_storage_answers(stored_again, ErrorCode.STORAGE_ERROR, 30,
+                          "storage did not come back after a restart")
     assert c.prefetch(keys, [5, 6]).result().count == 2
 
 
@@ -441,15 +446,11 @@ def test_frozen_master_times_out_a_prefetch_while_swaps_go_on(master, nodes):
         assert len(ei.value.failures) == 2
     finally:
         master.freeze(False)
-    deadline = time.monotonic() + 20
-    while True:  # each rank's stuck call returns once the master answers again
-        try:
-            assert c.exists(keys).result().count == 2
-            break
-        except TransferFailed as exc:
-            assert {f.code for f in exc.failures} == {ErrorCode.STORAGE_TIMEOUT}
-            assert time.monotonic() < deadline, "storage did not recover after the freeze"
-            time.sleep(0.2)
+    def all_there() -> None:  # each rank's stuck call returns once the master answers
+        assert c.exists(keys).result().count == 2
+
+    _once_storage_answers(all_there, ErrorCode.STORAGE_TIMEOUT, 20,
+                          "storage did not recover after the freeze")
     assert c.prefetch(keys, [5, 6]).result().count == 2
 
 

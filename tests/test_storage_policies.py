@@ -174,21 +174,10 @@ def test_replicated_tensors_with_redis(namespaces, redis_url):
     _mla_round_trip(namespaces, redis_url, mixed=True)
 
 
-def test_replicated_tensors_with_mooncake(namespaces):
+def test_replicated_tensors_with_mooncake(namespaces, mooncake_master):
     """Zero-copy reads into two staging areas (one per part), both registered."""
-    pytest.importorskip("mooncake.store", reason="kvswap[mooncake] is not installed")
-    from kvswap.daemon.storage.mooncake_master import MooncakeMaster, find_master
-
-    binary = find_master()
-    if binary is None:
-        pytest.skip("mooncake_master is not installed (pip install 'kvswap[mooncake]')")
-    master = MooncakeMaster(binary)
-    try:
-        master.start()
-        url = master.url(segment="16M", buffer="4M", timeout_s=3, connect_timeout_s=1)
-        _mla_round_trip(namespaces, url, mixed=True, listable=False)
-    finally:
-        master.close()
+    url = mooncake_master.url(segment="16M", buffer="4M", timeout_s=3, connect_timeout_s=1)
+    _mla_round_trip(namespaces, url, mixed=True, listable=False)
 
 
 def test_replicated_must_be_a_bool(namespaces):

@@ -181,9 +181,11 @@ def test_corrupt_entry_is_a_miss_and_never_loaded(namespaces, tmp_path, damage):
 
 
 def test_a_corrupt_entry_in_a_later_read_chunk_ends_the_prefix_there(namespaces, tmp_path):
-    """A prefetch reads in chunks (32 blocks) and verifies one while reading the next:
-    a corrupt entry of the second chunk, on one rank, ends the agreed prefix at it on
-    both ranks, is reported once and deleted, and nothing past it is loaded."""
+    """A prefetch reads in chunks and verifies one while reading the next (under a
+    deadline policy the chunks grow 1, 2, 4 ... blocks; wait_complete's are 64 MiB):
+    a corrupt entry of a later chunk (rows 31-47, in the second of its two check
+    runs), on one rank, ends the agreed prefix at it on both ranks, is reported once
+    and deleted, and nothing past it is loaded."""
     url = f"file://{tmp_path}/store"
     n, host = 48, 96
     launcher = namespaces.launch(tp=2, demo_caches=LAYOUT, host_blocks=host, storage_url=url)
@@ -201,7 +203,8 @@ def test_a_corrupt_entry_in_a_later_read_chunk_ends_the_prefix_there(namespaces,
         assert store.put([(name, [bytes(raw)])]) == [True]
         tags.fill_device([31], [0])
         client.evict([31] * n, list(range(n, 2 * n))).result()  # zero the destinations
-        got = client.prefetch(keys, list(range(n, 2 * n))).result()
+        got = client.prefetch(keys, list(range(n, 2 * n)), policy="timeout",
+                              timeout=60).result()
         assert [r.fields["count"] for r in got.replies.values()] == [40, 40]
         client.load([n + 38, n + 39, n + 40], [0, 1, 2]).result()
         assert tags.device_has([0, 1, 2], [38 % 32 + 1, 39 % 32 + 1, 0])

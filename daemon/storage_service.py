@@ -39,7 +39,6 @@ from kvswap.daemon.storage import (
     HEADER_BYTES,
     CorruptEntry,
     StorageBackend,
-    Stored,
     StorageError,
     open_backend,
     pack_entry,

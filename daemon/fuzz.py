@@ -726,11 +726,11 @@ def _padded(h: dict, size: int) -> bytes:
 
 
 # The tcp:// daemons' replay window.  The replay guard remembers every mac of its
-# window (about 200 bytes each, client/auth.py), by design as much as the signed
-# request rate times the window: at this stream's ~1,100 signed messages a second
-# the default 60 s window grows it by ~13 MB over a 100k-message run, all after the
-# baseline (the growth the drift check saw, the same with and without a leak).  A
-# 5 s window is full before the baseline is taken.
+# window (client/auth.py), by design as much as the signed request rate times the
+# window: at this stream's ~1,100 signed messages a second the default 60 s window
+# grew it by ~13 MB over a 100k-message run (200-byte entries then; ~80 now), all
+# after the baseline, and the drift check measured that.  A 5 s window is full
+# before the baseline is taken.
 REPLAY_WINDOW_S = 5.0
 
 

@@ -110,17 +110,47 @@ def test_secret_file_must_be_private(namespaces, tmp_path):
     assert namespaces.launchers[-1].procs == []
 
 
-def test_replay_guard_forgets_outside_the_window():
-    g = ReplayGuard(window_s=0.05)
-    now = time.time_ns()
-    g.check(b"a" * 32, now)
-    with pytest.raises(AuthFailed):
-        g.check(b"a" * 32, now)
-    g.check(b"b" * 32, now)
+class _Clock:
+    """Wall-clock ns that a test moves by hand."""
+
+    def __init__(self) -> None:
+        self.ns = 1_700_000_000 * 10**9
+
+    def __call__(self) -> int:
+        return self.ns
+
+
+def test_replay_guard_refuses_repeats_and_forgets_once_the_ts_left_the_window():
+    clock = _Clock()
+    g = ReplayGuard(window_s=2, clock=clock)
+    sent = clock.ns
+    g.check(b"a" * 32, sent)
+    with pytest.raises(AuthFailed, match="replayed"):
+        g.check(b"a" * 32, sent)
+    g.check(b"b" * 32, sent)  # another mac: accepted
     assert len(g) == 2
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        g.check(os.urandom(32), time.time_ns())  # each call also expires old entries
-        if b"a" * 32 not in g._seen:
-            break
-    assert b"a" * 32 not in g._seen
+    clock.ns = sent + 2 * 10**9  # ts still inside the window: still a replay
+    with pytest.raises(AuthFailed, match="replayed"):
+        g.check(b"a" * 32, sent)
+    clock.ns = sent + 3 * 10**9 + 1  # past ts + window (and the second it ends in)
+    with pytest.raises(AuthFailed, match="away from the daemon's clock"):
+        g.check(b"a" * 32, sent)  # the old message: stale
+    g.check(b"a" * 32, clock.ns)  # the same mac with a fresh ts: the old one was forgotten
+    assert len(g) == 1
+
+
+def test_replay_guard_remembers_a_ts_ahead_of_its_clock_until_that_ts_leaves_the_window():
+    """A request stamped 1.5 s ahead (the client's clock runs fast) passes the ts check
+    until ts + window, 3.5 s after it arrived: its replay is refused until then, not
+    only for a window after arrival."""
+    clock = _Clock()
+    g = ReplayGuard(window_s=2, clock=clock)
+    arrived = clock.ns
+    ahead = arrived + 1_500_000_000
+    g.check(b"f" * 32, ahead)
+    clock.ns = arrived + 3_000_000_000  # a window after arrival; the ts is 1.5 s old
+    with pytest.raises(AuthFailed, match="replayed"):
+        g.check(b"f" * 32, ahead)
+    clock.ns = ahead + 3 * 10**9 + 1
+    g.check(os.urandom(32), clock.ns)  # any request: the guard forgets as it goes
+    assert len(g) == 1  # the fast-stamped mac is gone, the new one is kept

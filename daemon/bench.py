@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,7 +42,7 @@ from kvswap.client.block_keys import block_hashes
 from kvswap.client.errors import ErrorCode, KvswapError
 from kvswap.client.layer_progress import LayerProgress
 from kvswap.client.layout import demo_layout
-from kvswap.client.signals import RankSlot, poll_until
+from kvswap.client.signals import RankSlot
 from kvswap.client.transfer_client import TransferClient, TransferSpec
 from kvswap.daemon import bench_peer, bench_trace
 from kvswap.daemon.bench_refs import (
@@ -57,6 +56,7 @@ from kvswap.daemon.bench_refs import (
 from kvswap.daemon.config import MAX_RANKS
 from kvswap.daemon.launcher import LaunchConfig, Launcher
 from kvswap.daemon.options import HelpFormatter, at_least, between, value_type
+from kvswap.daemon.storage.local_servers import MooncakeMaster, RedisServer, find_master
 from kvswap.kernels.planner import plan_copy
 
 
@@ -70,19 +70,24 @@ class _Namespace:
         self.path = path
         self.run_root = tempfile.mkdtemp(prefix="kvb-", dir="/tmp")
         ns = f"bench-{os.getpid()}-{time.monotonic_ns() % 10**6}"
-        self.launcher = Launcher(LaunchConfig(namespace=ns, tp=tp, run_root=self.run_root,
-                                              demo_caches=layout, host_blocks=host_blocks,
-                                              log_level="WARNING", **options))
+        try:
+            self.launcher = Launcher(LaunchConfig(namespace=ns, tp=tp, run_root=self.run_root,
+                                                  demo_caches=layout, host_blocks=host_blocks,
+                                                  log_level="WARNING", **options))
+        except BaseException:
+            os.rmdir(self.run_root)
+            raise
 
     def __enter__(self) -> TransferClient:
-        self.launcher.start()
         try:
+            self.launcher.start()
             self.launcher.wait_ready(timeout=60)
             self.client = TransferClient(self.launcher.names.namespace, self.launcher.cfg.tp,
                                          run_root=self.run_root, task_timeout=120,
                                          path=self.path)
-        except BaseException:
+        except BaseException:  # __exit__ does not run: tear down here, run dir included
             self.launcher.stop()
+            os.rmdir(self.run_root)
             raise
         return self.client
 
@@ -577,43 +582,18 @@ def _block_sizes(text: str) -> list[int]:
 STORAGE_LAYOUT = "layers=4,block_tokens=16,heads=8,head_dim=128,dtype=float16,blocks=32"
 
 
-class _RedisServer:
-    """A throw-away redis-server on a free loopback port (``--redis auto``)."""
-
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise KvswapError("--redis auto needs redis-server on PATH", ErrorCode.STORAGE_ERROR)
-        self.dir = tempfile.mkdtemp(prefix="kvb-redis-", dir="/tmp")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir], stdout=subprocess.DEVNULL)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        import redis
-
-        conn = redis.Redis.from_url(self.url)
-        ok = poll_until(lambda: True if _pings(conn) else None, time.monotonic() + 10)
-        conn.close()
-        if not ok:
-            self.close()
-            raise KvswapError("redis-server did not start", ErrorCode.STORAGE_ERROR)
-
-    def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _pings(conn) -> bool:
-    import redis
-
+def _redis_server() -> RedisServer:
+    """``--redis auto``: a throw-away redis-server, started."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise KvswapError("--redis auto needs redis-server on PATH", ErrorCode.STORAGE_ERROR)
+    server = RedisServer(binary)
     try:
-        return bool(conn.ping())
-    except redis.exceptions.ConnectionError:
-        return False
+        server.start()
+    except RuntimeError as exc:
+        server.close()
+        raise KvswapError(f"redis-server did not start: {exc}", ErrorCode.STORAGE_ERROR) from None
+    return server
 
 
 def _drop_cache(root: str) -> None:
@@ -685,7 +665,6 @@ class _MooncakeRef:
         from mooncake.store import MooncakeDistributedStore
 
         from kvswap.daemon.storage.mooncake import MooncakeSettings
-        from kvswap.daemon.storage.mooncake_master import MooncakeMaster, find_master
 
         self.master: MooncakeMaster | None = None
         self.holder: MooncakeDistributedStore | None = None
@@ -810,7 +789,7 @@ def bench_storage(args: argparse.Namespace) -> dict:
     tensors = demo_layout(STORAGE_LAYOUT)
     block_bytes = sum(int(np.prod(t.shape[1:])) * np.dtype(t.dtype).itemsize for t in tensors)
     store_dir = tempfile.mkdtemp(prefix="kvb-store-", dir=args.dir)
-    redis_server = _RedisServer() if args.redis == "auto" else None
+    redis_server = _redis_server() if args.redis == "auto" else None
     targets = [("file", f"file://{store_dir}/kv")]
     if args.redis:
         targets.append(("redis", redis_server.url if redis_server else args.redis))

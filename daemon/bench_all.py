@@ -381,7 +381,7 @@ def mooncake_unavailable(module: str) -> str | None:
     if not found:
         return f"{module} is missing (pip install 'kvswap[mooncake]')"
     if module == "mooncake.store":
-        from kvswap.daemon.storage.mooncake_master import find_master
+        from kvswap.daemon.storage.local_servers import find_master
 
         if find_master() is None:
             return "mooncake_master is not installed (pip install 'kvswap[mooncake]')"

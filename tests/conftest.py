@@ -11,9 +11,6 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +23,7 @@ from kvswap.client.naming import Names
 from kvswap.client.protocol import Reply, decode_reply
 from kvswap.daemon.demo import RankView, pattern
 from kvswap.daemon.launcher import LaunchConfig, Launcher, sweep_namespace
+from kvswap.daemon.storage.local_servers import MooncakeMaster, RedisServer, find_master
 
 _counter = itertools.count()
 
@@ -104,8 +102,6 @@ class RawPeer:
 
 def wait_for_state(launcher: Launcher, state, timeout: float = 20.0) -> None:
     """Wait until every rank of ``launcher`` publishes ``state``."""
-    import time
-
     from kvswap.client.signals import poll_until
 
     seg = launcher.seg
@@ -118,8 +114,6 @@ def wait_for_state(launcher: Launcher, state, timeout: float = 20.0) -> None:
 def wait_for_namespace_state(names: Names, tp: int, state, timeout: float = 30.0) -> None:
     """Wait until a namespace launched elsewhere (e.g. by a `kvswap launch` subprocess)
     exists and every rank publishes ``state``."""
-    import time
-
     from kvswap.client.errors import NamespaceError
     from kvswap.client.signals import SignalSegment, poll_until
 
@@ -136,73 +130,13 @@ def wait_for_namespace_state(names: Names, tp: int, state, timeout: float = 30.0
     assert poll_until(check, time.monotonic() + timeout), f"ranks never reached {state.name}"
 
 
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A real redis-server on a free loopback port and a unix socket, in its own temp dir,
-    without persistence.  ``start_another`` runs a second, independent one (for a test
-    that kills its server without disturbing the shared one)."""
+class SessionRedis(RedisServer):
+    """The session's redis-server; ``start_another`` runs a second, independent one (for
+    a test that kills its server without disturbing the shared one)."""
 
     def __init__(self, binary: str):
-        self.binary = binary
-        self.dir = tempfile.mkdtemp(prefix="kvs-redis-", dir="/tmp")
-        self.socket = os.path.join(self.dir, "redis.sock")
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
+        super().__init__(binary)
         self._another: RedisServer | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def _log(self) -> str:
-        return Path(self.dir, "redis.log").read_text(errors="replace")
-
-    def start(self) -> None:
-        with open(os.path.join(self.dir, "redis.log"), "ab") as log:
-            self.proc = subprocess.Popen(
-                [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                 "--appendonly", "no", "--dir", self.dir, "--unixsocket", self.socket,
-                 "--unixsocketperm", "700"],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"redis-server exited: {self._log()}"
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise AssertionError(f"redis-server did not answer PING within 15 s: {self._log()}")
-
-    def stop(self) -> None:
-        if self.running:
-            assert self.proc is not None
-            os.kill(self.proc.pid, signal.SIGCONT)  # in case a test left it frozen
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc = None
-
-    def freeze(self, frozen: bool) -> None:
-        """SIGSTOP / SIGCONT: a server that accepts connections but answers nothing."""
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
 
     def start_another(self) -> str:
         """Start a second server (replacing a previous one); return its URL."""
@@ -218,8 +152,7 @@ class RedisServer:
 
     def close(self) -> None:
         self.stop_another()
-        self.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        super().close()
 
 
 @pytest.fixture(scope="session")
@@ -231,7 +164,7 @@ def redis_server():
                     "redis-server)")
     pytest.importorskip("redis", reason="the redis package is missing (pip install "
                         "'kvswap[test]')")
-    server = RedisServer(binary)
+    server = SessionRedis(binary)
     try:
         server.start()
         yield server
@@ -258,8 +191,6 @@ def mooncake_master():
     skips when kvswap[mooncake] is not installed."""
     pytest.importorskip("mooncake.store", reason="kvswap[mooncake] is not installed (pip "
                         "install 'kvswap[mooncake]')")
-    from kvswap.daemon.storage.mooncake_master import MooncakeMaster, find_master
-
     binary = find_master()
     if binary is None:
         pytest.skip("mooncake_master is not installed (pip install 'kvswap[mooncake]')")

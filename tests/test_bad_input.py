@@ -35,8 +35,8 @@ from kvswap.client.protocol import (
 )
 from kvswap.client.signals import RankSlot, RankState, poll_until
 from kvswap.daemon.launcher import LaunchConfig, Launcher
+from kvswap.daemon.storage.local_servers import free_port
 
-from conftest import free_port
 
 LAYOUT = "layers=2,block_tokens=4,heads=2,head_dim=8,blocks=32"
 HOST_BLOCKS = 64

@@ -13,8 +13,8 @@ from kvswap.client import TransferClient
 from kvswap.client.auth import AuthFailed, ReplayGuard, load_secret, sign, verify
 from kvswap.client.errors import ErrorCode
 from kvswap.client.protocol import Op, decode_reply, encode_request, transfer_message
+from kvswap.daemon.storage.local_servers import free_port
 
-from conftest import free_port
 from test_daemon import RawPeer
 
 LAYOUT = "layers=1,block_tokens=4,heads=2,head_dim=8,blocks=16"

@@ -34,7 +34,7 @@ from kvswap.daemon.storage import (  # noqa: E402
     unpack_entry,
 )
 from kvswap.daemon.storage.mooncake import MooncakeBackend, MooncakeSettings  # noqa: E402
-from kvswap.daemon.storage.mooncake_master import MooncakeMaster, find_master  # noqa: E402
+from kvswap.daemon.storage.local_servers import MooncakeMaster, find_master  # noqa: E402
 
 FP = bytes(range(16))
 ROW = 4096

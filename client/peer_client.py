@@ -22,7 +22,7 @@ from kvswap.client.protocol import (
     Op,
     as_block_ids,
     check_priority,
-    first_duplicate,
+    check_ids,
     request_header,
 )
 from kvswap.client.signals import RankSlot
@@ -55,19 +55,12 @@ def peer_infos(client: "TransferClient") -> tuple[list[RankEndpoint], bytes]:
     return out
 
 
-def _host_ids(client: "TransferClient", host_blocks: Any, unique: bool) -> np.ndarray:
+def _host_ids(client: "TransferClient", host_blocks: Any, what: str, unique: bool
+              ) -> np.ndarray:
     host = as_block_ids(host_blocks, "host_blocks").astype("<i8")
     if host.size == 0:
         raise InvalidTask("host_blocks is empty: name at least one block", ErrorCode.BAD_FIELD)
-    limit = client._block_limits()[1]
-    lo, hi = int(host.min()), int(host.max())
-    if lo < 0 or hi >= limit:
-        raise InvalidTask(f"host block id {lo if lo < 0 else hi} out of range [0, {limit})",
-                          ErrorCode.ID_OUT_OF_RANGE)
-    dup = first_duplicate(host) if unique else None
-    if dup is not None:
-        raise InvalidTask(f"host block {dup} named more than once (it receives)",
-                          ErrorCode.DUPLICATE_DESTINATION)
+    check_ids(what, "host", host, client._block_limits()[1], unique)
     return host
 
 
@@ -75,7 +68,7 @@ def receive_into(client: "TransferClient", host_blocks: Any, ttl_s: float | None
                  secret: bytes | None) -> tuple[bytes, "TransferFuture"]:
     from kvswap.client.transfer_client import TransferFuture, _Envelope, _seconds
 
-    host = _host_ids(client, host_blocks, unique=True)
+    host = _host_ids(client, host_blocks, "receive_into", unique=True)
     ttl = client.task_timeout if ttl_s is None else _seconds(ttl_s, "ttl_s", positive=True)
     if secret is not None and (not isinstance(secret, (bytes, bytearray)) or not secret):
         raise InvalidTask("secret must be non-empty bytes", ErrorCode.BAD_FIELD)
@@ -106,7 +99,7 @@ def send_to(client: "TransferClient", ticket: Any, host_blocks: Any, secret: byt
     from kvswap.client.transfer_client import _Envelope
 
     t = Ticket.from_bytes(ticket)
-    host = _host_ids(client, host_blocks, unique=False)
+    host = _host_ids(client, host_blocks, "send_to", unique=False)
     prio = check_priority(priority)
     if secret is not None:
         t.verify(bytes(secret))

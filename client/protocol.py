@@ -489,28 +489,29 @@ def validate_transfer(op: Op, device_ids: np.ndarray, host_ids: np.ndarray,
             f"{op.value}: {device_ids.shape[0]} device ids but {host_ids.shape[0]} host ids",
             ErrorCode.LENGTH_MISMATCH,
         )
-    n = device_ids.shape[0]
+    check_ids(op.value, "device", device_ids, num_device_blocks, unique=op is Op.LOAD)
+    check_ids(op.value, "host", host_ids, num_host_blocks, unique=op is Op.EVICT)
+
+
+def check_ids(what: str, side: str, ids: np.ndarray, limit: int, unique: bool) -> None:
+    """Every id in ``[0, limit)``; with ``unique`` (``ids`` are destinations, written:
+    the result would depend on copy order), none named twice.  InvalidTask
+    (ID_OUT_OF_RANGE, DUPLICATE_DESTINATION) whose message starts with ``what``
+    and names the ``side`` ("device", "host")."""
+    n = ids.shape[0]
     if n == 0:
         return
-    small = n <= _SMALL
-    for ids, limit, side in ((device_ids, num_device_blocks, "device"),
-                             (host_ids, num_host_blocks, "host")):
-        if small:  # Python ints: a numpy reduction costs more than the whole check
-            vals = ids.tolist()
-            lo, hi = min(vals), max(vals)
-        else:
-            lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= limit:
-            bad = lo if lo < 0 else hi
-            raise InvalidTask(
-                f"{op.value}: {side} block id {bad} out of range [0, {limit})",
-                ErrorCode.ID_OUT_OF_RANGE,
-            )
-    dst = host_ids if op is Op.EVICT else device_ids
-    dup = first_duplicate(dst)
+    if n <= _SMALL:  # Python ints: a numpy reduction costs more than the whole check
+        vals = ids.tolist()
+        lo, hi = min(vals), max(vals)
+    else:
+        lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= limit:
+        raise InvalidTask(f"{what}: {side} block id {lo if lo < 0 else hi} out of range "
+                          f"[0, {limit})", ErrorCode.ID_OUT_OF_RANGE)
+    dup = first_duplicate(ids) if unique else None
     if dup is not None:
-        side = "host" if op is Op.EVICT else "device"
-        raise InvalidTask(f"{op.value}: destination {side} block {dup} named more than once",
+        raise InvalidTask(f"{what}: destination {side} block {dup} named more than once",
                           ErrorCode.DUPLICATE_DESTINATION)
 
 
@@ -618,17 +619,7 @@ def validate_storage(op: Op, host_ids: np.ndarray | None, n_keys: int,
     if host_ids.shape[0] != n_keys:
         raise InvalidTask(f"{op.value}: {host_ids.shape[0]} host blocks but {n_keys} keys",
                           ErrorCode.LENGTH_MISMATCH)
-    if n_keys == 0:
-        return
-    lo, hi = int(host_ids.min()), int(host_ids.max())
-    if lo < 0 or hi >= num_host_blocks:
-        raise InvalidTask(f"{op.value}: host block id {lo if lo < 0 else hi} out of range "
-                          f"[0, {num_host_blocks})", ErrorCode.ID_OUT_OF_RANGE)
-    if op is Op.PREFETCH:
-        dup = first_duplicate(host_ids)
-        if dup is not None:
-            raise InvalidTask(f"prefetch: destination host block {dup} named more than once",
-                              ErrorCode.DUPLICATE_DESTINATION)
+    check_ids(op.value, "host", host_ids, num_host_blocks, unique=op is Op.PREFETCH)
 
 
 def encode_transfer(op: Op, req_id: int, device_ids: np.ndarray, host_ids: np.ndarray,

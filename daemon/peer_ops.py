@@ -28,7 +28,7 @@ import numpy as np
 
 from kvswap.client.auth import load_secret
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError
-from kvswap.client.protocol import Op, Request, decode_id_frame, first_duplicate
+from kvswap.client.protocol import Op, Request, check_ids, decode_id_frame
 from kvswap.client.signals import RankSlot
 from kvswap.client.ticket import Ticket, TicketRefused
 from kvswap.daemon.attachment import Attachment, AttachmentSlot
@@ -106,7 +106,7 @@ class PeerOps:
             raw = bytes(memoryview(req.frames[0]))
             ticket = self._own_ticket(runtime, raw, pool)
             host = np.asarray(ticket.block_ids, dtype=np.int64)
-            self._check_ids(host, pool, unique=True)
+            check_ids("peer_recv", "host", host, pool.num_host_blocks, unique=True)
             runtime.receiver.expect(ticket.nonce, raw, ticket.expires_ns,
                                     host.size * sum(pool.block_bytes))
             try:
@@ -127,7 +127,7 @@ class PeerOps:
             if theirs != pool.block_bytes:
                 raise TicketRefused(f"block bytes differ on rank {self._rank.index}: this pool "
                                     f"{list(pool.block_bytes)}, the ticket {list(theirs)}")
-            self._check_ids(host, pool, unique=False)
+            check_ids("peer_send", "host", host, pool.num_host_blocks, unique=False)
             self._exactly.admit(job, origin, _NO_DEVICE, host)
             work = _Send(ticket, raw)
         att = self._slot.current
@@ -241,13 +241,3 @@ class PeerOps:
         ticket.check_expiry()
         return ticket
 
-    @staticmethod
-    def _check_ids(host: np.ndarray, pool: PoolView, unique: bool) -> None:
-        if host.size and (int(host.min()) < 0 or int(host.max()) >= pool.num_host_blocks):
-            bad = int(host.min()) if int(host.min()) < 0 else int(host.max())
-            raise InvalidTask(f"host block id {bad} out of range [0, {pool.num_host_blocks})",
-                              ErrorCode.ID_OUT_OF_RANGE)
-        dup = first_duplicate(host) if unique else None
-        if dup is not None:
-            raise InvalidTask(f"peer_recv: destination host block {dup} named more than once",
-                              ErrorCode.DUPLICATE_DESTINATION)

@@ -21,9 +21,9 @@ from kvswap.client.host_cache_stats import FIELDS, SLOTS, read_host_cache
 from kvswap.client.layout import TensorDesc, demo_layout, layout_hash
 from kvswap.client.monitor import format_table, read_status
 from kvswap.daemon.bench_trace import ReplaySetup, replay_bookkeeping, replay_daemons
-from kvswap.daemon.demo import RankView, pattern
 from kvswap.daemon.storage import open_backend
 from kvswap.daemon.trace import SyntheticConfig, synthetic_trace
+from conftest import DeviceTags
 
 LAYOUT = "layers=2,block_tokens=4,heads=2,head_dim=8,blocks=32"
 HOST = 16
@@ -31,31 +31,21 @@ TENSORS = [TensorDesc(t.name, t.layer, t.dtype, t.shape) for t in demo_layout(LA
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
-class Device:
-    """The test's view of every rank's simulated device tensors; block content is
-    derived from the hash it holds (tag = hash + 1; tag 0 = zeros)."""
+class Device(DeviceTags):
+    """Every rank's simulated device tensors; block content is derived from the hash it
+    holds (tag = hash + 1; tag 0 = zeros)."""
 
     def __init__(self, launcher):
-        self.views = [RankView(launcher.names, r, TENSORS, HOST) for r in range(2)]
+        super().__init__(launcher.names, 2, TENSORS, HOST)
 
     def write(self, blocks, hashes):
-        tags = np.asarray(hashes, dtype=np.int64) + 1
-        for rank, view in enumerate(self.views):
-            for ti, t in enumerate(TENSORS):
-                view.device[ti][blocks] = pattern(rank, ti, tags, t.bytes_per_block // 8)
+        self.fill(blocks, np.asarray(hashes, dtype=np.int64) + 1)
 
     def wipe(self, blocks):
-        self.write(blocks, [-1] * len(blocks))
+        self.fill(blocks, [0] * len(blocks))
 
     def holds(self, blocks, hashes) -> bool:
-        tags = np.asarray(hashes, dtype=np.int64) + 1
-        return all(np.array_equal(view.device[ti][blocks],
-                                  pattern(rank, ti, tags, t.bytes_per_block // 8))
-                   for rank, view in enumerate(self.views) for ti, t in enumerate(TENSORS))
-
-    def close(self):
-        for v in self.views:
-            v.close()
+        return self.has(blocks, np.asarray(hashes, dtype=np.int64) + 1)
 
 
 @pytest.fixture

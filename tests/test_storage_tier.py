@@ -7,15 +7,14 @@ import os
 import signal
 import time
 
-import numpy as np
 import pytest
 
 from kvswap.client import ErrorCode, TransferClient, TransferFailed
 from kvswap.client.block_keys import block_hashes, entry_name, model_fingerprint
 from kvswap.client.layout import TensorDesc, demo_layout, layout_hash
 from kvswap.client.signals import poll_until
-from kvswap.daemon.demo import RankView, pattern
 from kvswap.daemon.storage import open_backend
+from conftest import DeviceTags
 
 LAYOUT = "layers=2,block_tokens=4,heads=2,head_dim=8,blocks=32"
 HOST = 32
@@ -39,34 +38,16 @@ def _client(launcher) -> TransferClient:
     return c
 
 
-class Tags:
-    """The test's model of which content tag every device and host block holds."""
-
-    def __init__(self, launcher, host: int = HOST):
-        self.views = [RankView(launcher.names, r, TENSORS, host) for r in range(2)]
-        self.dev = np.zeros(32, dtype=np.int64)
-        self.fill_device(list(range(32)), list(range(1, 33)))  # block b holds tag b + 1
-
-    def fill_device(self, blocks, tags):
-        self.dev[blocks] = tags
-        for rank, view in enumerate(self.views):
-            for ti, t in enumerate(TENSORS):
-                view.device[ti][blocks] = pattern(rank, ti, np.asarray(tags),
-                                                  t.bytes_per_block // 8)
-
-    def device_has(self, blocks, tags) -> bool:
-        return all(np.array_equal(view.device[ti][blocks],
-                                  pattern(rank, ti, np.asarray(tags), t.bytes_per_block // 8))
-                   for rank, view in enumerate(self.views) for ti, t in enumerate(TENSORS))
-
-    def close(self):
-        for v in self.views:
-            v.close()
+def _tags(launcher, host: int = HOST) -> DeviceTags:
+    """Every rank's device blocks, with block b holding tag b + 1."""
+    tags = DeviceTags(launcher.names, 2, TENSORS, host)
+    tags.fill(list(range(32)), list(range(1, 33)))
+    return tags
 
 
 def _round_trip(namespaces, url: str):
     launcher = _launch(namespaces, url)
-    tags = Tags(launcher)
+    tags = _tags(launcher)
     client = _client(launcher)
     try:
         keys = _keys(6)
@@ -79,13 +60,13 @@ def _round_trip(namespaces, url: str):
         assert client.exists(keys).result().count == 6
         assert client.exists(keys + _keys(2, salt=9)).result().count == 6
         # wipe host (evict zeroed device blocks over it) and the device blocks
-        tags.fill_device([30, 31], [0, 0])
+        tags.fill([30, 31], [0, 0])
         client.evict([30] * 6, host).result()
-        tags.fill_device(dev, [0] * 6)
+        tags.fill(dev, [0] * 6)
         got = client.prefetch(keys, [20, 21, 22, 23, 24, 25]).result()
         assert got.count == 6
         client.load([20, 21, 22, 23, 24, 25], [2, 3, 4, 6, 7, 8]).result()
-        assert tags.device_has([2, 3, 4, 6, 7, 8], [2, 6, 10, 14, 18, 22])
+        assert tags.has([2, 3, 4, 6, 7, 8], [2, 6, 10, 14, 18, 22])
     finally:
         client.close()
         tags.close()
@@ -105,16 +86,16 @@ def test_two_nodes_share_one_redis(namespaces, redis_url):
     a = _launch(namespaces, redis_url)
     b = _launch(namespaces, redis_url)
     keys = _keys(4, salt=3)
-    ta = Tags(a)
-    tb = Tags(b)
+    ta = _tags(a)
+    tb = _tags(b)
     ca, cb = _client(a), _client(b)
     try:
-        ta.fill_device([3, 4, 5, 6], [101, 102, 103, 104])
+        ta.fill([3, 4, 5, 6], [101, 102, 103, 104])
         ca.evict([3, 4, 5, 6], [0, 1, 2, 3]).result()
         assert ca.backup([0, 1, 2, 3], keys).result().count == 4
         assert cb.prefetch(keys, [7, 8, 9, 10]).result().count == 4
         cb.load([7, 8, 9, 10], [20, 21, 22, 23]).result()
-        assert tb.device_has([20, 21, 22, 23], [101, 102, 103, 104])
+        assert tb.has([20, 21, 22, 23], [101, 102, 103, 104])
     finally:
         ca.close()
         cb.close()
@@ -125,7 +106,7 @@ def test_two_nodes_share_one_redis(namespaces, redis_url):
 def test_rank_disagreement_loads_the_agreed_prefix_only(namespaces, tmp_path):
     url = f"file://{tmp_path}/store"
     launcher = _launch(namespaces, url)
-    tags = Tags(launcher)
+    tags = _tags(launcher)
     client = _client(launcher)
     store = open_backend(url)
     try:
@@ -134,13 +115,13 @@ def test_rank_disagreement_loads_the_agreed_prefix_only(namespaces, tmp_path):
         client.backup([0, 1, 2, 3, 4], keys).result()
         store.delete([entry_name(keys[3], 1, FINGERPRINT)])  # rank 1 loses key 3
         assert client.exists(keys).result().count == 3
-        tags.fill_device([31], [0])
+        tags.fill([31], [0])
         client.evict([31] * 5, [10, 11, 12, 13, 14]).result()  # zero the destinations
         got = client.prefetch(keys, [10, 11, 12, 13, 14]).result()
         assert got.count == 3 and [r.fields["count"] for r in got.replies.values()] == [3, 3]
         client.load([10, 11, 12, 13, 14], [20, 21, 22, 23, 24]).result()
-        assert tags.device_has([20, 21, 22], [2, 3, 4])
-        assert tags.device_has([23, 24], [0, 0])  # nothing past the agreed prefix
+        assert tags.has([20, 21, 22], [2, 3, 4])
+        assert tags.has([23, 24], [0, 0])  # nothing past the agreed prefix
     finally:
         store.close()
         client.close()
@@ -151,7 +132,7 @@ def test_rank_disagreement_loads_the_agreed_prefix_only(namespaces, tmp_path):
 def test_corrupt_entry_is_a_miss_and_never_loaded(namespaces, tmp_path, damage):
     url = f"file://{tmp_path}/store"
     launcher = _launch(namespaces, url)
-    tags = Tags(launcher)
+    tags = _tags(launcher)
     client = _client(launcher)
     store = open_backend(url)
     try:
@@ -165,11 +146,11 @@ def test_corrupt_entry_is_a_miss_and_never_loaded(namespaces, tmp_path, damage):
             raw[-5] ^= 0xFF
         store.delete([name])
         assert store.put([(name, [bytes(raw)])]) == [True]
-        tags.fill_device([31], [0])
+        tags.fill([31], [0])
         client.evict([31] * 4, [10, 11, 12, 13]).result()
         assert client.prefetch(keys, [10, 11, 12, 13]).result().count == 2
         client.load([10, 11, 12, 13], [20, 21, 22, 23]).result()
-        assert tags.device_has([20, 21], [2, 3]) and tags.device_has([22, 23], [0, 0])
+        assert tags.has([20, 21], [2, 3]) and tags.has([22, 23], [0, 0])
         log = (launcher.names.run_dir / "rank0.log").read_text()
         assert log.count(f"storage entry {name} is unusable") == 1
         assert store.contains([name]) == [False]  # deleted, so it can be backed up again
@@ -189,7 +170,7 @@ def test_a_corrupt_entry_in_a_later_read_chunk_ends_the_prefix_there(namespaces,
     url = f"file://{tmp_path}/store"
     n, host = 48, 96
     launcher = namespaces.launch(tp=2, demo_caches=LAYOUT, host_blocks=host, storage_url=url)
-    tags = Tags(launcher, host)
+    tags = _tags(launcher, host)
     client = _client(launcher)
     store = open_backend(url)
     try:
@@ -201,13 +182,13 @@ def test_a_corrupt_entry_in_a_later_read_chunk_ends_the_prefix_there(namespaces,
         raw[100] ^= 0x01
         store.delete([name])
         assert store.put([(name, [bytes(raw)])]) == [True]
-        tags.fill_device([31], [0])
+        tags.fill([31], [0])
         client.evict([31] * n, list(range(n, 2 * n))).result()  # zero the destinations
         got = client.prefetch(keys, list(range(n, 2 * n)), policy="timeout",
                               timeout=60).result()
         assert [r.fields["count"] for r in got.replies.values()] == [40, 40]
         client.load([n + 38, n + 39, n + 40], [0, 1, 2]).result()
-        assert tags.device_has([0, 1, 2], [38 % 32 + 1, 39 % 32 + 1, 0])
+        assert tags.has([0, 1, 2], [38 % 32 + 1, 39 % 32 + 1, 0])
         log = (launcher.names.run_dir / "rank1.log").read_text()
         assert log.count(f"storage entry {name} is unusable") == 1
         assert store.contains([name]) == [False]

@@ -788,17 +788,18 @@ def bench_storage(args: argparse.Namespace) -> dict:
     n = args.blocks
     tensors = demo_layout(STORAGE_LAYOUT)
     block_bytes = sum(int(np.prod(t.shape[1:])) * np.dtype(t.dtype).itemsize for t in tensors)
-    store_dir = tempfile.mkdtemp(prefix="kvb-store-", dir=args.dir)
-    redis_server = _redis_server() if args.redis == "auto" else None
-    targets = [("file", f"file://{store_dir}/kv")]
-    if args.redis:
-        targets.append(("redis", redis_server.url if redis_server else args.redis))
     rng = np.random.default_rng(0)
     payload_rows = rng.integers(0, 256, (n, block_bytes), dtype=np.uint8)
     payloads = [row.tobytes() for row in payload_rows]
-    mooncake = None
+    store_dir = tempfile.mkdtemp(prefix="kvb-store-", dir=args.dir)
+    redis_server: RedisServer | None = None
+    mooncake: _MooncakeRef | None = None
     rows = []
     try:
+        targets = [("file", f"file://{store_dir}/kv")]
+        if args.redis:
+            redis_server = _redis_server() if args.redis == "auto" else None
+            targets.append(("redis", redis_server.url if redis_server else args.redis))
         if args.mooncake:
             # every round's entries stay (daemon) or are deleted (backend, reference)
             room = (args.repeat + 4) * n * (block_bytes + 4096) + (64 << 20)

@@ -50,9 +50,7 @@ daemons' ``malloc_trim`` periods, the baseline after the first tenth of the
 hostile messages (those grow the allocators to their working size: Python's
 object arenas, libzmq's buffers, and on ``tcp://`` the replay guard, whose
 window is short for this reason, :data:`REPLAY_WINDOW_S`; a leak is growth past
-that); every
-reply that must come came,
-exactly once; no ``INTERNAL_ERROR`` or ``TRANSFER_FAILED`` reply (hostile
+that); every reply that must come came, exactly once; no ``INTERNAL_ERROR`` or ``TRANSFER_FAILED`` reply (hostile
 input that passed validation and then failed while running) and no traceback
 in a daemon log; and after teardown no shm object, run dir or daemon process
 left.  When no reply comes for ``stall_timeout_s``, the driver sends SIGUSR1

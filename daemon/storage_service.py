@@ -56,8 +56,8 @@ _MAX_CHUNK = 64  # blocks read per round trip under a deadline policy
 # Bytes read per round trip under wait_complete.  A store's batch call ends with a
 # tail where its last transfers run alone: Mooncake over TCP read 128 entries of
 # 256 KiB in 27.7 ms as one call, 38.3 ms as four, 50.2 ms as eight (the
-# development VM), while checking a 32 MiB chunk takes ~2 ms.  So chunks are
-# large, and the overlap of checks with reads only matters for large prefetches.
+# development VM), while checking those 32 MiB took 5-8 ms on two threads.  So
+# chunks are large, and checks overlap reads only in prefetches past 64 MiB.
 _READ_CHUNK_BYTES = 64 << 20
 _CHECK_THREADS = 2  # the verifier's threads; a chunk's entries are checked in as many runs
 

@@ -98,6 +98,7 @@ _NO_BOUND = int(np.iinfo(np.int64).max)  # block limits before every rank publis
 # the tasks of one batch message (small enough that a window holds a few).
 WINDOW = 384
 BATCH_CHUNK = min(MAX_BATCH_TASKS, 128)
+_HEAP_SLACK = 1024  # stale deadline entries always tolerated (see _compact_deadlines)
 
 
 def _seconds(value: Any, what: str, positive: bool) -> float:
@@ -558,6 +559,8 @@ class _Dispatcher:
         for f in env.futures:
             self._pending[f.task_id] = (f, env)
             heapq.heappush(self._deadlines, (f.deadline, f.task_id))
+        if len(self._deadlines) > 2 * len(self._pending) + _HEAP_SLACK:
+            self._compact_deadlines()
         cost = len(env.futures)
         now = []
         for r in env.carrier.ranks:
@@ -568,6 +571,16 @@ class _Dispatcher:
         if now:
             for r in self._send(env, env.message, cost, now, re=False):
                 self._backlog[r].append((env, False))
+
+    def _compact_deadlines(self) -> None:
+        """Keep only open futures' deadlines.  A completed future's entry leaves the
+        heap when it reaches the top, so one future open for long (a ``receive_into``
+        waiting for its sender, a task stuck until its deadline) keeps the entry of
+        every task completed after it: 390,000 at 6.5k tasks/s for the default 60 s,
+        45 MB, then popped in one go under the lock (1-2 s here).  Rebuilt when stale
+        entries outnumber open ones, the cost is O(1) a post, amortised."""
+        self._deadlines = [(f.deadline, tid) for tid, (f, _) in self._pending.items()]
+        heapq.heapify(self._deadlines)
 
     def _room(self, r: int, cost: int) -> bool:
         return r not in self._frozen and (self._owing[r] == 0

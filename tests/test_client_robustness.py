@@ -27,6 +27,7 @@ from kvswap.client import (
     InvalidTask,
     KvswapError,
     RankRestarted,
+    RankTimeout,
     TransferClient,
     TransferFailed,
     TransferSpec,
@@ -606,6 +607,29 @@ def test_an_oversized_message_fails_its_futures_and_is_not_sent():
     with pytest.raises(TransferFailed) as ei:
         fut.result(0)
     assert ei.value.code == ErrorCode.MESSAGE_TOO_LARGE and wire.sent == []
+
+
+def test_one_task_open_for_long_does_not_keep_every_later_deadline():
+    """A receive waiting for its sender, or a task stuck until its deadline, stays at
+    the top of the deadline heap: the entries of tasks completed after it must not
+    pile up behind it (45 MB and a pop of all of them under the lock at 6.5k tasks/s
+    for 60 s), and its own deadline must still hold."""
+    d, wire, _ = _dispatcher(tp=1)
+    stuck = _single(tp=1)
+    d.post(stuck)
+    for _ in range(5000):
+        env = _single(tp=1)
+        d.post(env)
+        d.on_reply(_ok(env.carrier, 0))
+        assert env.carrier.done()
+        assert len(d._deadlines) <= 2 * 2 + tc._HEAP_SLACK  # two open at a post
+    assert d.next_deadline() == stuck.carrier.deadline
+    late = _single(tp=1)
+    d.post(late)
+    d.expire(stuck.carrier.deadline)
+    assert isinstance(stuck.carrier.exception(0), RankTimeout) and not late.carrier.done()
+    d.on_reply(_ok(late.carrier, 0))
+    assert late.carrier.exception(0) is None and d.next_deadline() is None
 
 
 def test_flow_control_keeps_a_window_of_replies_per_rank():

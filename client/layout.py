@@ -26,6 +26,25 @@ def _layout_error(msg: str) -> InvalidTask:
     return InvalidTask(msg, ErrorCode.BAD_LAYOUT)
 
 
+def element_dtype(name: str) -> np.dtype:
+    """The dtype of a tensor's elements: one fixed-size scalar type, else ValueError.
+
+    numpy also reads a string as a record (``"f2,f2"``) or sub-array (``"2f2"``)
+    type, and raises SyntaxError, not TypeError, for some strings with a comma
+    (the fuzz's bit-flipped ``register`` with dtype ``",f2"`` got INTERNAL_ERROR)."""
+    try:
+        dt = np.dtype(name)
+    except (TypeError, ValueError, SyntaxError):
+        dt = None
+    if dt is None or dt.fields is not None or dt.subdtype is not None:
+        raise ValueError(f"dtype {name!r} is not a numpy scalar type; name one such as '<f2' "
+                         f"or 'float16' (bfloat16 and fp8 as raw bits: '<u2', '|u1')")
+    if dt.hasobject or dt.itemsize == 0:
+        raise ValueError(f"dtype {name!r} cannot be copied as bytes; name a fixed-size "
+                         f"numeric type such as '<f2'")
+    return dt
+
+
 @dataclass(frozen=True)
 class TensorDesc:
     name: str
@@ -84,11 +103,9 @@ class TensorDesc:
         if not isinstance(dtype, str):
             raise _layout_error(f"tensor {name}: dtype must be a string")
         try:
-            dt = np.dtype(dtype)
-        except (TypeError, ValueError):
-            raise _layout_error(f"tensor {name}: unknown dtype {dtype!r}") from None
-        if dt.hasobject or dt.itemsize == 0:
-            raise _layout_error(f"tensor {name}: dtype {dtype!r} cannot be copied as bytes")
+            dt = element_dtype(dtype)
+        except ValueError as exc:
+            raise _layout_error(f"tensor {name}: {exc}") from None
         if not isinstance(location, dict):
             raise _layout_error(f"tensor {name}: location must be a map")
         replicated = obj.get("replicated", False)
@@ -172,7 +189,7 @@ def parse_demo_layout(spec: str | None) -> dict[str, Any]:
             if not sep or key not in params:
                 raise ValueError(f"bad demo layout item {item!r}; {DEMO_LAYOUT_HELP}")
             if key == "dtype":
-                np.dtype(value)  # raises TypeError for unknown dtypes
+                element_dtype(value)
                 params[key] = value
             else:
                 try:

@@ -56,7 +56,7 @@ def _namespace_problem(name: str) -> str | None:
 def layout_problem(spec: str) -> str | None:
     try:
         parse_demo_layout(spec)
-    except (ValueError, TypeError) as exc:
+    except ValueError as exc:
         return f"is not a valid LAYOUT: {exc}"
     return None
 

@@ -185,6 +185,11 @@ def test_transfer_before_register_is_not_ready(namespaces):
         assert bad.code == ErrorCode.BAD_LAYOUT
         bad = peer.ask([_hdr("register", backend="host", tensors=[{"name": "k0"}])])
         assert bad.code == ErrorCode.BAD_LAYOUT
+        # numpy raises SyntaxError for this dtype: once answered INTERNAL_ERROR
+        bad = peer.ask([_hdr("register", backend="host",
+                             tensors=[{"name": "k0", "layer": 0, "dtype": ",f2",
+                                       "shape": [4, 8], "location": {"shm": "/elsewhere"}}])])
+        assert bad.code == ErrorCode.BAD_LAYOUT and "numpy scalar type" in bad.message
         # still waiting for a worker, still serving
         assert peer.ask(encode_request(Op.PING, 2)).fields["state"] == "ATTACHING"
     finally:

@@ -97,17 +97,28 @@ class RankView:
     """The demo's own mapping of one rank's device tensors and host swap pool."""
 
     def __init__(self, names: Names, rank: int, tensors: Sequence[TensorDesc], host_blocks: int):
-        self.regions = [ShmRegion.attach(names.device_segment(rank, t.name)) for t in tensors]
-        self.device = [reg.array(0, (t.num_blocks, t.bytes_per_block // 8), "<u8")
-                       for reg, t in zip(self.regions, tensors)]
-        self.swap_region = ShmRegion.attach(names.swap_segment(rank), readonly=True)
-        layout = SwapLayout.of(tensors, host_blocks)
-        self.host = [self.swap_region.array(off, (host_blocks, t.bytes_per_block // 8), "<u8")
-                     for off, t in zip(layout.offsets, tensors)]
+        """Map them; a segment that is missing (posix_ipc.ExistentialError) or too small
+        (ValueError) raises, with whatever was mapped before it closed again."""
+        self.regions: list[ShmRegion] = []
+        self.device: list[np.ndarray] = []
+        self.host: list[np.ndarray] = []
+        try:
+            for t in tensors:
+                self.regions.append(ShmRegion.attach(names.device_segment(rank, t.name)))
+                self.device.append(self.regions[-1].array(
+                    0, (t.num_blocks, t.bytes_per_block // 8), "<u8"))
+            self.regions.append(ShmRegion.attach(names.swap_segment(rank), readonly=True))
+            layout = SwapLayout.of(tensors, host_blocks)
+            self.host = [self.regions[-1].array(off, (host_blocks, t.bytes_per_block // 8),
+                                                "<u8")
+                         for off, t in zip(layout.offsets, tensors)]
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         self.device, self.host = [], []
-        for reg in (*self.regions, self.swap_region):
+        for reg in self.regions:
             reg.close()
 
 

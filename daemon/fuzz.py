@@ -25,9 +25,9 @@ required nor waited for: the window of outstanding replies counts only
 replies that must come, and nothing waits past ``stall_timeout_s``.
 
 Safety of the stream.  Every case that the daemon would accept as a valid
-``shutdown``, ``pause`` or ``clear`` (including one produced by a bit flip) is
-dropped before sending and replaced, so the run cannot stop or freeze the
-namespace it is measuring.  A case that decodes as a ``prefetch`` goes to
+``shutdown``, ``pause``, ``clear`` or replacing ``register`` (including one
+produced by a bit flip) is dropped before sending and replaced, so the run
+cannot stop, freeze or detach the namespace it is measuring.  A case that decodes as a ``prefetch`` goes to
 every rank, as a client sends it: the ranks agree on its outcome, and one rank
 alone would wait for the others for the whole ``--storage-timeout`` while
 later tasks on the same host blocks wait behind it.
@@ -82,6 +82,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
+import posix_ipc
 import zmq
 
 from kvswap.client.auth import MAC_BYTES, AuthFailed, mac, sign, verify
@@ -109,8 +110,16 @@ from kvswap.daemon.launcher import LaunchConfig, Launcher
 
 LAYOUT = "layers=2,block_tokens=4,heads=2,head_dim=8,blocks=32"
 SECRET_BYTES = 32
-# Ops whose *valid* form would stop or freeze the namespace under test.
+# Ops whose *valid* form would stop or freeze the namespace under test; and a valid
+# register with ``replace`` (an engine restart): it detaches the tensors first, and when
+# the new ones fail to attach the rank waits ATTACHING for the next good register, as
+# documented (docs/protocol.md section 6): seed 4 sent one and left rank 1 so.
 _FORBIDDEN = frozenset({Op.SHUTDOWN, Op.PAUSE, Op.CLEAR})
+
+
+def _forbidden(req: Any) -> bool:
+    return req is not None and (req.op in _FORBIDDEN or (
+        req.op is Op.REGISTER and req.header.get("replace") is True))
 # The run's own request ids are multiples of a prime, (2**20 + k) * _ID_STEP: a bit flip
 # changes an id by a sum of powers of two, which almost never lands on another multiple,
 # so a mutated id is not mistaken for another case's.
@@ -752,7 +761,7 @@ class Wire:
     payload: list[bytes]  # the message without its mac: what the daemon decodes
     expect: Expect
     reply_id: int | None  # the id the reply will carry (None: unreadable or auth refused)
-    forbidden: bool  # a valid shutdown / pause / clear: never sent
+    forbidden: bool  # a valid shutdown / pause / clear / replacing register: never sent
     op: Op | None = None  # the op the daemon will read, if the header decodes
 
 
@@ -793,7 +802,7 @@ class Framer:
             if secret is not None:
                 return Wire(sign(secret, payload), payload, Expect.MAYBE, None, False, None)
             return Wire(payload, payload, Expect.REPLY, reply_id, False, None)
-        forbidden = req is not None and req.op in _FORBIDDEN
+        forbidden = _forbidden(req)
         op = req.op if req is not None else None
         if secret is None:
             return Wire(payload, payload, Expect.REPLY, reply_id, forbidden, op)
@@ -1394,11 +1403,15 @@ def _final_checks(cfg: StressConfig, launcher: Launcher, transport: Transport,
         except KvswapError as exc:
             checks.append(Check("idle", False, f"stats failed: {exc}"))
         try:
-            views = [RankView(names, r, tensors, cfg.host_blocks) for r in range(cfg.tp)]
+            for r in range(cfg.tp):
+                views.append(RankView(names, r, tensors, cfg.host_blocks))
             bad = _round_trip(client, views, np.random.default_rng(seed), num_dev,
                               cfg.host_blocks)
             checks.append(Check("round_trip", bad is None,
                                 bad or "evict + load, every tensor of every rank verified"))
+        except (posix_ipc.ExistentialError, ValueError) as exc:  # a rank without its caches
+            checks.append(Check("round_trip", False, f"rank {len(views)}'s caches or host "
+                                                     f"pool cannot be mapped: {exc}"))
         except KvswapError as exc:
             checks.append(Check("round_trip", False, f"evict + load failed: {exc}"))
     finally:

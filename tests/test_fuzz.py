@@ -9,7 +9,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvswap.client.errors import ErrorCode
-from kvswap.client.protocol import OPS, PROTOCOL_VERSION, Op, decode_reply, encode_transfer, packb
+from kvswap.client.protocol import (
+    OPS,
+    PROTOCOL_VERSION,
+    Op,
+    decode_reply,
+    decode_request,
+    encode_request,
+    encode_transfer,
+    packb,
+)
+from kvswap.daemon.fuzz import _forbidden
 
 LAYOUT = "layers=2,block_tokens=4,heads=2,head_dim=8,blocks=32"
 MAX_MESSAGE = 1 << 20  # the frame limit: 8-byte ids of --max-device-blocks MAX_MESSAGE // 8
@@ -125,3 +135,18 @@ def test_fuzz_daemon_socket(namespaces):
     finally:
         sock.close()
         ctx.term()
+
+
+def test_the_stream_never_sends_what_would_stop_or_detach_the_namespace():
+    """A valid shutdown / pause / clear, and a valid register with ``replace`` (it
+    detaches the tensors first; seed 4 once left a rank ATTACHING so), are dropped
+    before sending; other registers and transfers are not."""
+    def decoded(op, fields=None):
+        return decode_request(encode_request(op, 7, fields))
+
+    register = {"backend": "host", "tensors": []}
+    assert _forbidden(decoded(Op.REGISTER, {**register, "replace": True}))
+    assert not _forbidden(decoded(Op.REGISTER, {**register, "replace": False}))
+    assert not _forbidden(decoded(Op.REGISTER, register))
+    assert all(_forbidden(decoded(op)) for op in (Op.SHUTDOWN, Op.PAUSE, Op.CLEAR))
+    assert not _forbidden(decoded(Op.PING)) and not _forbidden(None)

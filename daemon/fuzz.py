@@ -96,6 +96,7 @@ from kvswap.client.protocol import (
     OPS,
     PROTOCOL_VERSION,
     Op,
+    Request,
     RequestError,
     decode_reply,
     decode_request,
@@ -117,7 +118,7 @@ SECRET_BYTES = 32
 _FORBIDDEN = frozenset({Op.SHUTDOWN, Op.PAUSE, Op.CLEAR})
 
 
-def _forbidden(req: Any) -> bool:
+def _forbidden(req: Request | None) -> bool:
     return req is not None and (req.op in _FORBIDDEN or (
         req.op is Op.REGISTER and req.header.get("replace") is True))
 # The run's own request ids are multiples of a prime, (2**20 + k) * _ID_STEP: a bit flip

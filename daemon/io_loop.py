@@ -49,6 +49,10 @@ STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
 _HIST_INDEX = {Op(name): i for i, name in enumerate(HIST_OPS)}
 
 
+def _nothing() -> None:
+    """No claimed tasks to copy (before :meth:`IoLoop.serve` installs the real step)."""
+
+
 class CompletionQueue:
     """Completions on their way to the I/O thread: a deque, plus a wake-up byte on an
     inproc PAIR that the I/O thread's poller watches.
@@ -140,6 +144,7 @@ class IoLoop:
         for s in STOP_SIGNALS:
             signal.signal(s, lambda *_: None)
         self._handlers: dict[Op, Handler] = {}  # serve()'s table; ring requests use it too
+        self._copy_claimed: Callable[[], None] = _nothing  # serve()'s end of a burst
         # the shared-memory rings beside the ipc:// socket (docs/protocol.md section 15)
         self._rings = RingServer(rank.names, rank.index, rank.epoch,
                                  lambda *message: self._on_request(self._handlers, *message))
@@ -178,8 +183,12 @@ class IoLoop:
         router.setsockopt(zmq.LINGER, 2000)
 
     def serve(self, handlers: dict[Op, Handler], begin_stop: Callable[[str], None],
-              workers_done: Callable[[], bool]) -> None:
+              workers_done: Callable[[], bool], copy_claimed: Callable[[], None]) -> None:
         """The loop, until a stop has begun and every worker has finished.
+
+        ``copy_claimed`` copies the tasks this thread claimed while it served a burst
+        (daemon/transfers.py); it runs at the end of every round, before this thread
+        can sleep, and before a request whose handler does not claim.
 
         The completion doorbell is rung once per round of the loop, after every reply of
         the round is written: a reader woken by the first reply of a burst would take it
@@ -191,6 +200,7 @@ class IoLoop:
         if self.tcp_router is not None:
             poller.register(self.tcp_router, zmq.POLLIN)
         self._handlers = handlers
+        self._copy_claimed = copy_claimed
         poller.register(self._rings.fileno(), zmq.POLLIN)
         stopping = self._rank.stopping
         while True:
@@ -216,6 +226,7 @@ class IoLoop:
                     if message is None:
                         break
                     self._on_request(handlers, *message, sock, signed)
+            copy_claimed()
             self._rings.publish()
 
     @staticmethod
@@ -291,6 +302,8 @@ class IoLoop:
             return
         job = Job(route, req.id, req.op, t_recv, req.header)
         handler = handlers[req.op]
+        if not handler.claims:
+            self._copy_claimed()  # a cancel, pause or clear finds the claimed tasks done
         try:
             if handler.admit is None:
                 assert handler.run is not None

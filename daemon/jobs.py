@@ -97,6 +97,9 @@ class Handler:
 
     run: Callable[[Job, Request | None], dict | None] | None = None
     admit: Callable[[Job, Request | None], None] | None = None
+    # Its admission may leave tasks claimed for the I/O thread to copy at the end of the
+    # burst (daemon/transfers.py); before a request of any other op they are copied.
+    claims: bool = False
 
 
 def check_handlers(handlers: dict[Op, Handler]) -> None:

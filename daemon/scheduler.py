@@ -145,7 +145,9 @@ class Scheduler:
         other task is ready is returned claimed (``Task.claimed``, RUNNING) instead of
         queued: the caller runs it itself (no hand-off to a worker) and then calls
         :meth:`finish`.  Nothing else is ready, so no ordering or priority question
-        can arise."""
+        can arise.  Several tasks may be claimed before the first is finished; they
+        never overlap (a task that overlaps a claimed one depends on it, so is not
+        ready), so the caller may run them as one merged pass."""
         with self._cv:
             if self._stopping:
                 raise RuntimeError("scheduler is stopping")

@@ -96,12 +96,12 @@ class Daemon:
         life = Lifecycle(rank, io, slot, registrar, exactly, transfers, peer, control)
         handlers = {
             Op.REGISTER: Handler(run=registrar.run, admit=registrar.admit),
-            Op.EVICT: Handler(admit=transfers.admit),
-            Op.LOAD: Handler(admit=transfers.admit),
+            Op.EVICT: Handler(admit=transfers.admit, claims=True),
+            Op.LOAD: Handler(admit=transfers.admit, claims=True),
             Op.BACKUP: Handler(admit=storage.admit),
             Op.PREFETCH: Handler(admit=storage.admit),
             Op.EXISTS: Handler(admit=storage.admit),
-            Op.BATCH: Handler(run=transfers.run_batch_request),
+            Op.BATCH: Handler(run=transfers.run_batch_request, claims=True),
             Op.CANCEL: Handler(run=transfers.cancel),
             Op.PAUSE: Handler(run=life.pause),
             Op.RESUME: Handler(run=life.resume),
@@ -123,7 +123,7 @@ class Daemon:
         registrar.attach_on_start()
         status = 0
         try:
-            io.serve(handlers, life.begin_stop, life.workers_done)
+            io.serve(handlers, life.begin_stop, life.workers_done, transfers.copy_claimed)
         except BaseException:
             log.exception("I/O loop crashed; stopping")
             status = 1

@@ -75,22 +75,25 @@ class HostPlanCopier:
         runs = (np.ascontiguousarray(plan.src_start, dtype=np.int64),
                 np.ascontiguousarray(plan.dst_start, dtype=np.int64),
                 np.ascontiguousarray(plan.counts, dtype=np.int64))
-        if plan.num_runs <= 16:
+        if plan.num_runs <= 16:  # numpy reductions cost several us each on tiny arrays
             s, d, c = (r.tolist() for r in runs)
             bad = (min(s) < 0 or min(d) < 0 or max(a + b for a, b in zip(s, c)) > src_n
                    or max(a + b for a, b in zip(d, c)) > dst_n)
+            blocks = sum(c)
         else:
             bad = (int(runs[0].min()) < 0 or int(runs[1].min()) < 0
                    or int((runs[0] + runs[2]).max()) > src_n
                    or int((runs[1] + runs[2]).max()) > dst_n)
+            blocks = int(runs[2].sum())
         if bad:
             raise IndexError(f"copy plan outside {src_n} source / {dst_n} destination blocks")
         src, dst = (self._a, self._b) if a_to_b else (self._b, self._a)
-        bpb = self._bpb
+        bpb, row_bytes = self._bpb, self.bytes_per_block
         if tensors is not None:
             idx = np.asarray(tensors)
             src, dst, bpb = src[idx], dst[idx], bpb[idx]
-        if len(bpb) > 1 and int(bpb.sum()) * plan.num_blocks >= SPLIT_BYTES:
+            row_bytes = int(bpb.sum())
+        if len(bpb) > 1 and row_bytes * blocks >= SPLIT_BYTES:
             half = len(bpb) // 2
             other = self._helper.submit(copy_runs, src[half:], dst[half:], bpb[half:], *runs)
             return copy_runs(src[:half], dst[:half], bpb[:half], *runs) + other.result()

@@ -129,6 +129,22 @@ def test_claimed_is_the_submitters_answer_whatever_the_workers_do(make):
     gate.release(3)
 
 
+def test_claimed_tasks_never_overlap_and_release_their_dependents_together(make):
+    """The I/O thread claims every small ready task of a burst and copies them in one
+    pass (daemon/transfers.py): that is sound only because a task overlapping a
+    claimed one depends on it, so is never claimed beside it."""
+    s, gate = make(workers=1)
+    a = s.submit(Op.EVICT, ids(1), ids(1), ctx=0, claim_if_alone=True)
+    b = s.submit(Op.EVICT, ids(2), ids(2), ctx=1, claim_if_alone=True)
+    after_a = s.submit(Op.LOAD, ids(3), ids(1), ctx=2, claim_if_alone=True)  # host 1
+    c = s.submit(Op.EVICT, ids(4), ids(4), ctx=3, claim_if_alone=True)
+    assert [t.claimed for t in (a, b, after_a, c)] == [True, True, False, True]
+    assert after_a.state is TaskState.WAITING and after_a.deps == 1
+    s.finish([a, b, c])
+    assert gate.wait_started(1) == [[2]]  # released to a worker by the group's finish
+    gate.release(2)
+
+
 def test_chain_of_three_is_transitive(make):
     s, gate = make(workers=3)
     s.submit(Op.EVICT, ids(1), ids(1), ctx=0)

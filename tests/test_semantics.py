@@ -305,6 +305,66 @@ def test_batch_answers_each_task_by_its_own_id(namespaces):
         peer.close()
 
 
+@pytest.mark.parametrize("merge", [True, False])
+def test_a_burst_of_small_tasks_is_copied_in_one_pass(namespaces, merge):
+    """The small independent tasks of one burst (here one batch) are claimed by the
+    I/O thread and copied in one pass, which each reply's ``merged`` counts; a task
+    that overlaps one of them is never claimed with it and runs after it.  A cancel
+    or a pause served in the same burst finds the claimed tasks done (a pause that
+    waited for them would be answered by nothing: only a worker's completion looks
+    at waiting pauses).  With merging off, each is copied on its own."""
+    launcher = namespaces.launch(tp=2, demo_caches=TINY, host_blocks=TINY_HOST, merge=merge)
+    tensors = [TensorDesc(t.name, t.layer, t.dtype, t.shape) for t in demo_layout(TINY)]
+    views = [RankView(launcher.names, r, tensors, TINY_HOST) for r in range(2)]
+    dev_tag = np.arange(1, 17) * 7
+    host_tag = np.zeros(TINY_HOST, dtype=np.int64)
+    pids = [p.pid for p in launcher.procs]
+
+    def one_burst(submit):
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)  # so that everything submit sends is one burst
+        try:
+            return submit()
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+
+    def replies(future):
+        return list(future.result(30).replies.values())
+
+    try:
+        _fill(views, tensors, dev_tag)
+        with _client(launcher) as client:
+            def first():
+                independent = client.submit_batch([TransferSpec.evict([i], [i])
+                                                   for i in range(8)])
+                # host 3 again (after independent[3]), then device 12 from it (after that)
+                overlap = client.submit_batch([TransferSpec.evict([10], [3]),
+                                               TransferSpec.load([3], [12])])
+                return independent, overlap, independent[5].cancel()
+
+            independent, overlap, cancel = one_burst(first)
+            assert [r.fields["merged"] for f in independent for r in replies(f)] == \
+                [8 if merge else 1] * 16
+            assert all(r.ok for f in overlap for r in replies(f))
+            assert [r.fields["cancelled"] for r in replies(cancel)] == [False, False]
+            assert not independent[5].cancelled()
+            more, paused = one_burst(lambda: (
+                client.submit_batch([TransferSpec.evict([i], [i]) for i in range(13, 16)]),
+                client.pause()))
+            assert all(r.ok for r in replies(paused))
+            assert all(f.done() for f in more)  # answered only once they were
+            assert client.resume().result(10)
+        host_tag[:8] = dev_tag[:8]
+        host_tag[13:16] = dev_tag[13:16]
+        host_tag[3] = dev_tag[10]
+        dev_tag[12] = dev_tag[10]
+        _check(views, tensors, dev_tag, host_tag)
+    finally:
+        for v in views:
+            v.close()
+
+
 # ------------------------------------------------------------------ write policies
 
 

@@ -365,6 +365,21 @@ def test_a_burst_of_small_tasks_is_copied_in_one_pass(namespaces, merge):
             v.close()
 
 
+def test_a_claimed_pass_holds_one_direction_and_at_most_max_merge_blocks(namespaces):
+    """The I/O thread ends a pass of claimed tasks when the direction changes and before
+    it would carry more than --max-merge-blocks blocks; each reply's ``merged`` is the
+    size of the pass its task ran in."""
+    launcher = namespaces.launch(tp=2, demo_caches=TINY, host_blocks=TINY_HOST,
+                                 max_merge_blocks=3)
+    with _client(launcher) as client:
+        evict = [TransferSpec.evict([i], [i]) for i in (0, 1, 4, 5, 6, 7)]
+        load = [TransferSpec.load([h], [h]) for h in (12, 13)]
+        futs = client.submit_batch(evict[:2] + load + evict[2:])
+        merged = [sorted({r.fields["merged"] for r in f.result(30).replies.values()})
+                  for f in futs]
+    assert merged == [[2], [2], [2], [2], [3], [3], [3], [1]]
+
+
 # ------------------------------------------------------------------ write policies
 
 

@@ -27,10 +27,11 @@ replies that must come, and nothing waits past ``stall_timeout_s``.
 Safety of the stream.  Every case that the daemon would accept as a valid
 ``shutdown``, ``pause``, ``clear`` or replacing ``register`` (including one
 produced by a bit flip) is dropped before sending and replaced, so the run
-cannot stop, freeze or detach the namespace it is measuring.  A case that decodes as a ``prefetch`` goes to
-every rank, as a client sends it: the ranks agree on its outcome, and one rank
-alone would wait for the others for the whole ``--storage-timeout`` while
-later tasks on the same host blocks wait behind it.
+cannot stop, freeze or detach the namespace it is measuring.  A case that
+decodes as a ``prefetch`` goes to every rank, as a client sends it: the ranks
+agree on its outcome, and one rank alone would wait for the others for the
+whole ``--storage-timeout`` while later tasks on the same host blocks wait
+behind it.
 
 Replays.  On ``tcp://`` a ``replay`` case sends again, byte for byte, a signed
 message the same rank has already answered; a second answer under its id is
@@ -50,12 +51,12 @@ daemons' ``malloc_trim`` periods, the baseline after the first tenth of the
 hostile messages (those grow the allocators to their working size: Python's
 object arenas, libzmq's buffers, and on ``tcp://`` the replay guard, whose
 window is short for this reason, :data:`REPLAY_WINDOW_S`; a leak is growth past
-that); every reply that must come came, exactly once; no ``INTERNAL_ERROR`` or ``TRANSFER_FAILED`` reply (hostile
-input that passed validation and then failed while running) and no traceback
-in a daemon log; and after teardown no shm object, run dir or daemon process
-left.  When no reply comes for ``stall_timeout_s``, the driver sends SIGUSR1
-to every daemon (their thread stacks go to their logs), counts what is due as
-lost and goes on.
+that); every reply that must come came, exactly once; no ``INTERNAL_ERROR``
+or ``TRANSFER_FAILED`` reply (hostile input that passed validation and then
+failed while running) and no traceback in a daemon log; and after teardown no
+shm object, run dir or daemon process left.  When no reply comes for
+``stall_timeout_s``, the driver sends SIGUSR1 to every daemon (their thread
+stacks go to their logs), counts what is due as lost and goes on.
 """
 
 from __future__ import annotations
@@ -119,8 +120,11 @@ _FORBIDDEN = frozenset({Op.SHUTDOWN, Op.PAUSE, Op.CLEAR})
 
 
 def _forbidden(req: Request | None) -> bool:
+    """Whether the daemon would read ``req`` (None: undecodable) as one of those."""
     return req is not None and (req.op in _FORBIDDEN or (
         req.op is Op.REGISTER and req.header.get("replace") is True))
+
+
 # The run's own request ids are multiples of a prime, (2**20 + k) * _ID_STEP: a bit flip
 # changes an id by a sum of powers of two, which almost never lands on another multiple,
 # so a mutated id is not mistaken for another case's.
@@ -1406,15 +1410,17 @@ def _final_checks(cfg: StressConfig, launcher: Launcher, transport: Transport,
         try:
             for r in range(cfg.tp):
                 views.append(RankView(names, r, tensors, cfg.host_blocks))
-            bad = _round_trip(client, views, np.random.default_rng(seed), num_dev,
-                              cfg.host_blocks)
-            checks.append(Check("round_trip", bad is None,
-                                bad or "evict + load, every tensor of every rank verified"))
         except (posix_ipc.ExistentialError, ValueError) as exc:  # a rank without its caches
             checks.append(Check("round_trip", False, f"rank {len(views)}'s caches or host "
                                                      f"pool cannot be mapped: {exc}"))
-        except KvswapError as exc:
-            checks.append(Check("round_trip", False, f"evict + load failed: {exc}"))
+        else:
+            try:
+                bad = _round_trip(client, views, np.random.default_rng(seed), num_dev,
+                                  cfg.host_blocks)
+                checks.append(Check("round_trip", bad is None,
+                                    bad or "evict + load, every tensor of every rank verified"))
+            except KvswapError as exc:
+                checks.append(Check("round_trip", False, f"evict + load failed: {exc}"))
     finally:
         for view in views:
             view.close()
@@ -1591,7 +1597,8 @@ def _run_transport(cfg: StressConfig, name: str, seed: int, work: Path) -> Trans
         duplicate_samples=track.duplicate_samples,
         undecodable_replies=track.undecodable, bad_reply_mac=track.bad_reply_mac,
         exec_failures=track.exec_failure_count, exec_failure_samples=track.exec_failures,
-        stalls=driver.stalls, stall_notes=driver.stall_notes[:8], ping_s=None if ping_s is None else round(ping_s, 4), ranks=ranks,
+        stalls=driver.stalls, stall_notes=driver.stall_notes[:8],
+        ping_s=None if ping_s is None else round(ping_s, 4), ranks=ranks,
         leaks=leaks, checks=checks, crashed_after=crashed)
 
 

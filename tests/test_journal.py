@@ -3,6 +3,8 @@ and what a second incarnation (a new Journal over the same segment) sees."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
@@ -197,8 +199,6 @@ def test_recording_tasks_allocates_nothing_that_stays(names):
     """A rank's memory must not creep up as the ring fills: each record costs the
     segment's bytes and 8 bytes of a lookup array allocated up front, nothing more
     (an index by task id grew by ~100 bytes a record: ~1 MB for these 10,000)."""
-    import tracemalloc
-
     j = Journal.open(names, 0, capacity=65536, arena_bytes=1 << 20)
     try:
         ids = _ids(1)

@@ -274,25 +274,33 @@ def hist_bucket(us: float) -> int:
     return min(HIST_BUCKETS - 1, max(0, int(us)).bit_length())
 
 
+def u64_cells(arr: np.ndarray) -> memoryview:
+    """A C-contiguous ``<u8`` array as a flat memoryview of native u64 ints (the same
+    on the little-endian hosts kvswap runs on): reading or writing one item costs a
+    third of numpy's scalar indexing, and a daemon updates several per task."""
+    return memoryview(arr).cast("B").cast("Q")
+
+
 class RankStats:
     """A rank's histograms and error counters; written by its daemon's I/O thread only."""
 
-    __slots__ = ("hist", "errors")
+    __slots__ = ("hist", "errors", "_hist", "_errors", "_phases")
 
     def __init__(self, hist: np.ndarray, errors: np.ndarray):
         self.hist = hist  # (op, phase, HIST_SLOTS)
         self.errors = errors  # (ERROR_SLOTS,)
+        self._hist, self._errors = u64_cells(hist), u64_cells(errors)
+        self._phases = hist.shape[1]
 
     def record(self, op: int, phase: int, us: float) -> None:
-        row = self.hist[op, phase]
-        b = hist_bucket(us)
-        row[b] = int(row[b]) + 1
-        row[HIST_BUCKETS] = int(row[HIST_BUCKETS]) + 1
-        row[HIST_BUCKETS + 1] = int(row[HIST_BUCKETS + 1]) + int(us)
+        row = (op * self._phases + phase) * HIST_SLOTS
+        cells = self._hist
+        cells[row + hist_bucket(us)] += 1
+        cells[row + HIST_BUCKETS] += 1
+        cells[row + HIST_BUCKETS + 1] += int(us)
 
     def error(self, code: ErrorCode) -> None:
-        i = _ERROR_INDEX[code]
-        self.errors[i] = int(self.errors[i]) + 1
+        self._errors[_ERROR_INDEX[code]] += 1
 
     def snapshot(self) -> dict:
         hist = {}
@@ -521,21 +529,22 @@ class SignalSegment:
 class RankSignals:
     """The slots of one rank, indexed by :class:`R`."""
 
-    __slots__ = ("rank", "slots")
+    __slots__ = ("rank", "slots", "_cells")
 
     def __init__(self, rank: int, slots: np.ndarray):
         self.rank = rank
         self.slots = slots
+        self._cells = u64_cells(slots)
 
     def __getitem__(self, field: RankSlot) -> int:
-        return int(self.slots[field])
+        return self._cells[field]
 
     def __setitem__(self, field: RankSlot, value: int) -> None:
-        self.slots[field] = value
+        self._cells[field] = value
 
     def add(self, field: RankSlot, delta: int) -> None:
         """Increment; only for fields whose single writer is the calling thread."""
-        self.slots[field] = int(self.slots[field]) + delta
+        self._cells[field] += delta
 
 
 # ---------------------------------------------------------------------- waiting

@@ -83,6 +83,7 @@ MAGIC = int.from_bytes(b"KVSJRNL1", "little")
 HEADER = struct.Struct("<8Q")  # magic, capacity, arena bytes, head, tail, arena head, dropped, -
 CLIENTS = 256
 MARK = struct.Struct("<QQ")  # client id, highest cs whose record was dropped
+_PAIR = struct.Struct("<QQ")  # two adjacent u64 fields: head and tail; a record's cid and cs
 MARKS_OFFSET = HEADER.size
 RECORDS_OFFSET = MARKS_OFFSET + CLIENTS * MARK.size
 
@@ -235,19 +236,19 @@ class Journal:
         """Record an admitted task; return its sequence number.  Raises
         :class:`JournalFull` (changing nothing) if no record or arena space is free.
         Ids are kept as int32 when every one fits (they are validated block ids)."""
-        wide = any(a.dtype.itemsize > 4 and a.size and int(a.max()) > 0x7FFFFFFF
-                   for a in (device_ids, host_ids))
+        wide = ((device_ids.dtype.itemsize > 4 or host_ids.dtype.itemsize > 4)
+                and any(a.size and int(a.max()) > 0x7FFFFFFF for a in (device_ids, host_ids)))
         width, dtype = (8, "<i8") if wide else (4, "<i4")
         n = int(host_ids.shape[0])  # block pairs, or keys (one host block each)
         length = (device_ids.size + host_ids.size) * width + (keys.size if keys is not None
                                                               else 0)
         with self._lock:
-            head, tail = self._get(_HEAD), self._get(_TAIL)
-            if head - tail == self.capacity and not self._retire_oldest():
+            head, tail = _PAIR.unpack_from(self._buf, _HEAD * 8)
+            if head - tail == self.capacity and not self._retire_oldest(tail):
                 raise JournalFull(
                     f"the completion journal holds {self.capacity} tasks and the oldest is "
                     f"still running; retry once tasks finish (or raise --journal-records)")
-            off = self._arena_alloc(length)
+            off = self._arena_alloc(length, head)
             if off is None:
                 raise JournalFull(
                     f"the completion journal's arena ({self.arena_bytes} bytes) has no room "
@@ -263,7 +264,7 @@ class Journal:
             self._buf[at + STATE_OFFSET] = RecordState.ADMITTED
             self._task_ids[seq % self.capacity] = task_id
             self._set(_ARENA_HEAD, off + length)
-            self._set(_HEAD, head + 1)
+            self._set(_HEAD, head + 1)  # after the record it covers (crash consistency)
             return seq
 
     def finish(self, seq: int, code: ErrorCode, message: str = "",
@@ -355,12 +356,12 @@ class Journal:
     def _state(self, seq: int) -> int:
         return int(self._buf[self._at(seq) + STATE_OFFSET])
 
-    def _retire_oldest(self) -> bool:
-        """Drop the oldest record if it is DONE, raising its client's mark to its ``cs``."""
-        tail = self._get(_TAIL)
+    def _retire_oldest(self, tail: int) -> bool:
+        """Drop the oldest record (``tail``) if it is DONE, raising its client's mark to
+        its ``cs``."""
         if self._state(tail) == RecordState.ADMITTED:
             return False
-        cid, cs = RECORD.unpack_from(self._buf, self._at(tail))[1:3]
+        cid, cs = _PAIR.unpack_from(self._buf, self._at(tail) + 8)
         if cid and cs:
             row = self._find_mark(cid)
             if row is None:
@@ -402,7 +403,7 @@ class Journal:
         MARK.pack_into(self._buf, MARKS_OFFSET + row * MARK.size, cid, 0)
         return row
 
-    def _arena_alloc(self, length: int) -> int | None:
+    def _arena_alloc(self, length: int, end: int) -> int | None:  # end: the journal's head
         """Virtual offset of ``length`` free arena bytes that do not wrap, or None."""
         if length > self.arena_bytes:
             return None
@@ -410,10 +411,9 @@ class Journal:
         phys = head % self.arena_bytes
         if phys + length > self.arena_bytes:
             head += self.arena_bytes - phys  # skip the end: spans never wrap
-        end = self._get(_HEAD)
         while self._oldest_live < end and self._state(self._oldest_live) != RecordState.ADMITTED:
             self._oldest_live += 1
-        used_from = (RECORD.unpack_from(self._buf, self._at(self._oldest_live))[3]
+        used_from = (struct.unpack_from("<Q", self._buf, self._at(self._oldest_live) + 24)[0]
                      if self._oldest_live < end else head)
         if head + length - used_from > self.arena_bytes:
             return None

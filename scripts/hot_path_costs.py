@@ -27,6 +27,16 @@ from kvswap.client.protocol import (
     transfer_message,
     validate_transfer,
 )
+from kvswap.client.signals import (
+    ERROR_SLOTS,
+    HIST_OPS,
+    HIST_PHASES,
+    HIST_SLOTS,
+    RANK_SLOTS,
+    RankSignals,
+    RankSlot,
+    RankStats,
+)
 from kvswap.daemon import malloc_tuning
 from kvswap.daemon.journal import Journal
 from kvswap.daemon.scheduler import Scheduler
@@ -58,16 +68,24 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as run_root:
         journal = Journal.open(Names(f"hotpath{os.getpid()}", run_root=run_root), 0,
-                               n + 1, 40 << 20)
+                               n, 40 << 20)
         try:
+            for cs in range(1, n + 1):  # a full ring of DONE records: each admit retires one
+                journal.finish(journal.admit(1, Op.EVICT, dev, host, cid=5, cs=cs), ErrorCode.OK)
             seqs: list[int] = []
             show("journal admit", lambda: seqs.append(
-                journal.admit(1, Op.EVICT, dev, host, cid=5, cs=len(seqs) + 1)))
+                journal.admit(1, Op.EVICT, dev, host, cid=5, cs=n + len(seqs) + 1)))
             it = iter(seqs)
             show("journal finish", lambda: journal.finish(next(it), ErrorCode.OK, "",
                                                           {"bytes": 65536, "merged": 4}))
         finally:
             journal.close(unlink=True)
+
+    sig = RankSignals(0, np.zeros(RANK_SLOTS, "<u8"))
+    show("signal slot add", lambda: sig.add(RankSlot.COMPLETED, 1))
+    stats = RankStats(np.zeros((len(HIST_OPS), len(HIST_PHASES), HIST_SLOTS), "<u8"),
+                      np.zeros(ERROR_SLOTS, "<u8"))
+    show("histogram record", lambda: stats.record(1, 0, 123.4))
 
     sched = Scheduler(4096, 4096, lambda batch: None, workers=1)
     try:

@@ -541,7 +541,11 @@ def first_duplicate(ids: np.ndarray) -> int | None:
 
 
 def _wire_dtype(arrays: Sequence[np.ndarray]) -> str:
-    return "<i8" if any(a.dtype.str == "<i8" for a in arrays) else "<i4"
+    """The ids' wire type: arrays from :func:`as_block_ids` are ``<i4`` or ``<i8``."""
+    for a in arrays:
+        if a.itemsize == 8:
+            return "<i8"
+    return "<i4"
 
 
 def _transfer_fields(priority: int, layerwise: bool) -> dict:

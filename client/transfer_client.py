@@ -533,7 +533,7 @@ class _Dispatcher:
 
     # ------------------------------------------------------------------ internals
     def _post(self, env: _Envelope) -> None:
-        if all(f.done() for f in env.futures):
+        if env.carrier._done and all(f._done for f in env.tasks):
             return  # failed while it waited (an internal error, a close)
         if self._closed:
             for f in env.futures:
@@ -864,8 +864,8 @@ class TransferClient:
         ``backup_keys`` (write-through to storage): also back the host blocks up under
         these keys; the backup runs after the evict on every rank (hazard ordering)
         and its future is the returned future's ``backup``."""
-        dev, host, prio, _ = self._check(TransferSpec(Op.EVICT, device_blocks, host_blocks,
-                                                      priority), self._block_limits())
+        dev, host, prio, _ = self._check_transfer(Op.EVICT, device_blocks, host_blocks,
+                                                  priority, False, self._block_limits())
         backup = None
         if backup_keys is not None:
             backup = self._check_storage(Op.BACKUP, host_blocks, backup_keys, priority)
@@ -884,8 +884,8 @@ class TransferClient:
         ``layerwise=True``: each rank copies layer by layer and publishes progress,
         so a TP worker can start on layer 0 with ``CacheWorker.wait_layer(
         future.task_id, 0, timeout)`` before the last layer has arrived."""
-        checked = self._check(TransferSpec(Op.LOAD, device_blocks, host_blocks, priority,
-                                           layerwise), self._block_limits())
+        checked = self._check_transfer(Op.LOAD, device_blocks, host_blocks, priority,
+                                       layerwise, self._block_limits())
         fut, env = self._transfer_envelope(Op.LOAD, *checked)
         self._submit([env])
         return fut
@@ -959,7 +959,7 @@ class TransferClient:
             raise InvalidTask(f"tasks must be a sequence of TransferSpec, got "
                               f"{type(tasks).__name__}", ErrorCode.BAD_FIELD)
         limits = self._block_limits()
-        checked = [self._check(t, limits, f"tasks[{i}]") for i, t in enumerate(tasks)]
+        checked = [self._check(t, limits, f"tasks[{i}]: ") for i, t in enumerate(tasks)]
         futures = [self._new_future(t.op) for t in tasks]
         envelopes = []
         for lo in range(0, len(futures), BATCH_CHUNK):
@@ -990,8 +990,9 @@ class TransferClient:
                 raise InvalidTask(f"{what} must be a pair {order}, got {type(pair).__name__}",
                                   ErrorCode.BAD_FIELD)
         limits = self._block_limits()
-        ev_checked = self._check(TransferSpec(Op.EVICT, evict[0], evict[1]), limits, "evict")
-        ld_checked = self._check(TransferSpec(Op.LOAD, load[1], load[0]), limits, "load")
+        ev_checked = self._check_transfer(Op.EVICT, evict[0], evict[1], 0, False, limits,
+                                          "evict: ")
+        ld_checked = self._check_transfer(Op.LOAD, load[1], load[0], 0, False, limits, "load: ")
         ev_fut, ev_env = self._transfer_envelope(Op.EVICT, *ev_checked)
         ld_fut, ld_env = self._transfer_envelope(Op.LOAD, *ld_checked)
         if policy == "write_back":
@@ -1076,28 +1077,35 @@ class TransferClient:
     def _cancel(self, target: TransferFuture) -> TransferFuture:
         return self._control(Op.CANCEL, {"target": target.task_id})
 
-    def _check(self, spec: Any, limits: tuple[int, int], what: str = ""
+    def _check(self, spec: Any, limits: tuple[int, int], where: str
                ) -> tuple[np.ndarray, np.ndarray, int, bool]:
-        """Every field of one evict/load: ids, ranges, duplicates, priority, layerwise.
-        Returns (device ids, host ids, priority, layerwise) ready for the wire."""
-        where = f"{what}: " if what else ""
+        """:meth:`_check_transfer` of one task of a batch (``where`` names it)."""
         if not isinstance(spec, TransferSpec):
             raise InvalidTask(f"{where}expected a TransferSpec (TransferSpec.evict(...) or "
                               f".load(...)), got {type(spec).__name__}", ErrorCode.BAD_FIELD)
         if not isinstance(spec.op, Op) or spec.op not in (Op.EVICT, Op.LOAD):
             raise InvalidTask(f"{where}op must be evict or load, got {spec.op!r:.40}",
                               ErrorCode.BAD_FIELD)
+        return self._check_transfer(spec.op, spec.device_blocks, spec.host_blocks,
+                                    spec.priority, spec.layerwise, limits, where)
+
+    def _check_transfer(self, op: Op, device_blocks: Any, host_blocks: Any, priority: Any,
+                        layerwise: Any, limits: tuple[int, int], where: str = ""
+                        ) -> tuple[np.ndarray, np.ndarray, int, bool]:
+        """Every field of one evict/load: ids, ranges, duplicates, priority, layerwise
+        (``where`` prefixes each message).  Returns (device ids, host ids, priority,
+        layerwise) ready for the wire."""
         try:
-            dev = as_block_ids(spec.device_blocks, "device_blocks")
-            host = as_block_ids(spec.host_blocks, "host_blocks")
-            validate_transfer(spec.op, dev, host, *limits)
-            priority = check_priority(spec.priority)
-            layerwise = check_flag(spec.layerwise, "layerwise")
+            dev = as_block_ids(device_blocks, "device_blocks")
+            host = as_block_ids(host_blocks, "host_blocks")
+            validate_transfer(op, dev, host, *limits)
+            priority = check_priority(priority)
+            layerwise = check_flag(layerwise, "layerwise")
         except InvalidTask as exc:
             if not where:
                 raise
             raise InvalidTask(where + exc.message, exc.code) from None
-        if layerwise and spec.op is not Op.LOAD:
+        if layerwise and op is not Op.LOAD:
             raise InvalidTask(f"{where}layerwise applies to load only", ErrorCode.BAD_FIELD)
         return dev, host, priority, layerwise
 

@@ -1,7 +1,8 @@
-"""Microseconds per call of the steps a daemon takes for one 1-block evict, each timed
-alone with ``timeit`` under the daemon's malloc settings (docs/benchmarks.md, "Daemon
-per-task work").  A diagnosis, not a target: the steps' sum is the floor of the
-daemon's Python work per task; `kvswap bench tasks` measures the whole.
+"""Microseconds per call of the steps a client and a daemon take for one 1-block
+evict, each timed alone with ``timeit`` under the daemon's malloc settings
+(docs/benchmarks.md, "Daemon per-task work").  A diagnosis, not a target: the
+steps' sum is the floor of each side's Python work per task; `kvswap bench
+tasks` and `kvswap bench control` measure the whole.
 
 Usage: .venv/bin/python scripts/hot_path_costs.py [--calls N]
 """
@@ -20,6 +21,7 @@ from kvswap.client.errors import ErrorCode
 from kvswap.client.naming import Names
 from kvswap.client.protocol import (
     Op,
+    as_block_ids,
     decode_request,
     decode_transfer,
     encode_reply,
@@ -27,6 +29,7 @@ from kvswap.client.protocol import (
     transfer_message,
     validate_transfer,
 )
+from kvswap.client.rings import record_bytes
 from kvswap.client.signals import (
     ERROR_SLOTS,
     HIST_OPS,
@@ -55,6 +58,13 @@ def main() -> None:
         print(f"{name:38s} {timeit.timeit(fn, number=n) / n * 1e6:7.2f} us")
 
     dev, host = np.array([5], "<i4"), np.array([7], "<i4")
+    # the client's side of a submit (the engine process)
+    show("client: as_block_ids x2", lambda: (as_block_ids([5], "d"), as_block_ids([7], "h")))
+    show("client: transfer_message + frames", lambda: transfer_message(
+        Op.EVICT, 123, dev, host, 0, False).frames([1], None, 5, 9))
+    sent = transfer_message(Op.EVICT, 123, dev, host, 0, False).frames([1], None, 5, 9)
+    show("client: ring record size", lambda: record_bytes(sent))
+    # the daemon's
     frames = [bytes(memoryview(f)) for f in
               transfer_message(Op.EVICT, 123, dev, host, 0, False).frames()]
     req = decode_request(frames)

@@ -311,6 +311,7 @@ def _control_row(tp: int, args: argparse.Namespace) -> dict:
             rate: dict[str, list[float]] = {s.name: [] for s in systems}
             cpu: dict[str, list[float]] = {s.name: [] for s in systems}
             engine_cpu: list[float] = []  # the bench process alone, in kvswap's blocks
+            engine_cpu_pipelined: list[float] = []  # ... in kvswap's pipelined blocks
 
             def latency_block(s: _ControlSystem, n: int) -> list[float]:
                 """Round trips; also CPU per round trip of every process of the system.
@@ -334,7 +335,10 @@ def _control_row(tp: int, args: argparse.Namespace) -> dict:
             def pipelined_block(s: _ControlSystem, n: int) -> float:
                 s.resume()
                 try:
+                    e0 = time.process_time()
                     r = s.tasks_per_s(sent[s.name], n, args.window)
+                    if s is kvswap:
+                        engine_cpu_pipelined.append((time.process_time() - e0) / n * 1e6)
                 finally:
                     s.pause()
                 sent[s.name] += n
@@ -371,6 +375,7 @@ def _control_row(tp: int, args: argparse.Namespace) -> dict:
         "baseline_p99_us": round(statistics.median(p99["baseline"]), 1),
         "kvswap_cpu_us": round(statistics.median(cpu["kvswap"])),
         "engine_cpu_us": round(statistics.median(engine_cpu)),
+        "engine_cpu_pipelined_us": round(statistics.median(engine_cpu_pipelined)),
         "floor_cpu_us": round(statistics.median(cpu["floor"])),
         "baseline_cpu_us": round(statistics.median(cpu["baseline"])),
         "kvswap_tasks_per_s": round(statistics.median(rate["kvswap"])),

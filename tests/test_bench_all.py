@@ -211,15 +211,16 @@ def test_control_targets_and_tp1_only_throughput_target():
            "baseline_p50_us": 1800.0, "p50_vs_floor": 1.5, "baseline_vs_kvswap_p50": 6.0,
            "kvswap_tasks_per_s": 25000, "floor_tasks_per_s": 50000,
            "baseline_tasks_per_s": 900, "kvswap_cpu_us": 1, "floor_cpu_us": 1,
-           "baseline_cpu_us": 1, "tasks_per_system": 10, "path": "ring", "engine_cpu_us": 70}
+           "baseline_cpu_us": 1, "tasks_per_system": 10, "path": "ring", "engine_cpu_us": 70,
+           "engine_cpu_pipelined_us": 50}
     lines = bench_all.render_control({"control": [
         {**row, "tp": 1}, {**row, "tp": 2, "p50_vs_floor": 2.5, "baseline_vs_kvswap_p50": 4.0}]})
     (lat_head, *lat), (thr_head, *thr) = _tables("\n".join(lines))
     assert [r[5:8] for r in lat] == [["1.5", "<= 2", "met"], ["2.5", "<= 2", "not met"]]
     assert [r[8:11] for r in lat] == [["6.0", ">= 5", "met"], ["4.0", ">= 5", "not met"]]
     assert [r[4:7] for r in thr] == [["0.5", ">= 20000 tasks/s", "met"], ["0.5", "none", "–"]]
-    assert [r[11:15] for r in thr] == [["ring", "70", "<= 80 µs", "met"],
-                                       ["ring", "70", "none", "–"]]
+    assert [r[11:16] for r in thr] == [["ring", "70", "<= 80 µs", "met", "50"],
+                                       ["ring", "70", "none", "–", "50"]]
 
 
 def test_gpu_table_reads_the_rows_bench_gpu_writes(monkeypatch):

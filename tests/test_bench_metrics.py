@@ -30,7 +30,8 @@ CONTROL_KEYS = {"tp", "kvswap_p50_us", "kvswap_p99_us", "floor_p50_us", "floor_p
                 "baseline_p50_us", "baseline_p99_us", "kvswap_cpu_us", "floor_cpu_us",
                 "baseline_cpu_us", "kvswap_tasks_per_s", "floor_tasks_per_s",
                 "baseline_tasks_per_s", "p50_vs_floor", "baseline_vs_kvswap_p50",
-                "tasks_per_system", "path", "engine_cpu_us", "tasks_vs_floor"}
+                "tasks_per_system", "path", "engine_cpu_us", "engine_cpu_pipelined_us",
+                "tasks_vs_floor"}
 DATA_KEYS = {"block_bytes", "op", "tp", "blocks", "runs", "task_bytes", "kvswap_gbps",
              "kvswap_exec_gbps", "memcpy_gbps", "ratio", "exec_ratio"}
 
@@ -68,6 +69,7 @@ def test_control_bench_schema_and_task_counts():
             assert row[f"{name}_tasks_per_s"] > 0
         assert row["path"] == "ring"  # the default on ipc://, every rank on its rings
         assert 0 <= row["engine_cpu_us"] <= row["kvswap_cpu_us"] + 1
+        assert row["engine_cpu_pipelined_us"] > 0  # process_time(): no clock ticks to round to 0
         assert row["tasks_vs_floor"] == pytest.approx(
             row["kvswap_tasks_per_s"] / row["floor_tasks_per_s"], abs=0.02)
         assert row["p50_vs_floor"] == pytest.approx(

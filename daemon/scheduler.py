@@ -127,7 +127,10 @@ class Scheduler:
         self._ready: dict[Op, list[tuple[tuple[int, int], Task]]] = {
             op: [] for ops in LANES.values() for op in ops}
         self._seq = 0
-        self._cv = threading.Condition()
+        self._lock = threading.RLock()
+        # One condition per lane on the one lock: a task made ready wakes one worker of
+        # its lane, not every worker of every lane (each woken thread costs the GIL).
+        self._wake = {lane: threading.Condition(self._lock) for lane in LANES}
         self._stopping = False
         self.merged_batches = 0  # under the lock: batches of several tasks finished
         self._threads = [
@@ -148,7 +151,7 @@ class Scheduler:
         can arise.  Several tasks may be claimed before the first is finished; they
         never overlap (a task that overlaps a claimed one depends on it, so is not
         ready), so the caller may run them as one merged pass."""
-        with self._cv:
+        with self._lock:
             if self._stopping:
                 raise RuntimeError("scheduler is stopping")
             task = Task(self._seq, op, device_ids, host_ids, priority, layerwise, ctx)
@@ -196,7 +199,7 @@ class Scheduler:
     def finish(self, batch: Sequence[Task]) -> None:
         """Mark a batch done and release its dependents (a batch of several tasks
         ran as one merged copy pass)."""
-        with self._cv:
+        with self._lock:
             if len(batch) > 1:
                 self.merged_batches += 1
             for t in batch:
@@ -205,7 +208,7 @@ class Scheduler:
 
     def cancel(self, match: Callable[[Task], bool]) -> Task | None:
         """Cancel the first not-yet-started task for which ``match`` holds."""
-        with self._cv:
+        with self._lock:
             for task in self._live.values():
                 if task.state in (TaskState.WAITING, TaskState.READY) and match(task):
                     task.state = TaskState.CANCELLED  # lazily dropped from its ready heap
@@ -214,13 +217,13 @@ class Scheduler:
         return None
 
     def find(self, match: Callable[[Task], bool]) -> Task | None:
-        with self._cv:
+        with self._lock:
             return next((t for t in self._live.values() if match(t)), None)
 
     def stop(self) -> list[Task]:
         """Stop taking work; return every task that has not started (now CANCELLED)
         so the caller can answer them.  Running batches finish; see :meth:`join`."""
-        with self._cv:
+        with self._lock:
             self._stopping = True
             dropped = [t for t in self._live.values()
                        if t.state in (TaskState.WAITING, TaskState.READY)]
@@ -229,7 +232,8 @@ class Scheduler:
                 del self._live[t.seq]
             for heap in self._ready.values():
                 heap.clear()
-            self._cv.notify_all()
+            for cv in self._wake.values():
+                cv.notify_all()
         return sorted(dropped, key=lambda t: t.seq)
 
     def join(self, timeout: float) -> bool:
@@ -239,14 +243,16 @@ class Scheduler:
 
     @property
     def pending(self) -> int:
-        with self._cv:
+        with self._lock:
             return len(self._live)
 
     # ------------------------------------------------------------------ internals (lock held)
     def _make_ready(self, task: Task) -> None:
         task.state = TaskState.READY
         heapq.heappush(self._ready[task.op], (task.sort_key(), task))
-        self._cv.notify_all()  # workers of both lanes wait on this condition
+        # One worker of the lane: it takes this task (and, merging, others ready); a
+        # worker that is busy looks at the heaps again before it waits.
+        self._wake[OPS[task.op].lane.value].notify()
 
     def _release(self, task: Task) -> None:
         """``task`` is finished or cancelled: forget it and wake its dependents."""
@@ -293,13 +299,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ workers
     def _worker(self, lane: str) -> None:
+        wake = self._wake[lane]
         while True:
-            with self._cv:
+            with wake:
                 batch = self._take(lane)
                 while not batch:
                     if self._stopping:
                         return
-                    self._cv.wait()
+                    wake.wait()
                     batch = self._take(lane)
             self._run_batch(batch)
             self.finish([t for t in batch if not OPS[t.op].held])

@@ -4,11 +4,13 @@ question deterministic (no timing assumptions)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from kvswap.client.protocol import Op
+from kvswap.client.signals import poll_until
 from kvswap.daemon.scheduler import Scheduler, Task, TaskState
 
 WAIT = 10.0
@@ -255,5 +257,46 @@ def test_prefetches_run_in_admission_order_whatever_their_blocks_and_priorities(
         gate.release(2)
     finally:
         gate.release(*range(10))
+        s.stop()
+        assert s.join(WAIT)
+
+
+class _CountingScheduler(Scheduler):
+    """Counts each lane's looks at the ready heaps (a worker looks once before it
+    waits, and once each time it is woken)."""
+
+    def __init__(self, *args, **kwargs):
+        self.looks: dict[str, int] = {"transfer": 0, "storage": 0, "peer": 0}
+        super().__init__(*args, **kwargs)
+
+    def _take(self, lane: str) -> list[Task]:
+        self.looks[lane] += 1
+        return super()._take(lane)
+
+
+def test_a_ready_task_wakes_one_worker_of_its_lane():
+    """Two copy workers, a storage and a peer worker, all waiting: one evict wakes one
+    copy worker, no other thread (each woken thread costs the daemon the GIL: with one
+    condition for every worker, all four woke for every task)."""
+    ran = threading.Event()
+    s = _CountingScheduler(16, 16, lambda batch: ran.set(), workers=2, storage_workers=1,
+                           peer_workers=1)
+    try:
+        def all_waiting() -> bool:  # CPython's Condition keeps its waiters in _waiters
+            with s._lock:
+                return sum(len(cv._waiters) for cv in s._wake.values()) == 4
+
+        def settle() -> None:
+            assert poll_until(lambda: True if all_waiting() else None,
+                              time.monotonic() + WAIT), "the workers never all waited"
+
+        settle()
+        assert s.looks == {"transfer": 2, "storage": 1, "peer": 1}
+        s.submit(Op.EVICT, ids(1), ids(2))
+        assert ran.wait(WAIT)
+        settle()
+        # the woken copy worker: one look that took the task, one after it finished
+        assert s.looks == {"transfer": 4, "storage": 1, "peer": 1}
+    finally:
         s.stop()
         assert s.join(WAIT)

@@ -122,7 +122,7 @@ class Scheduler:
         self.max_merge_blocks = max_merge_blocks
         self._dev_last = np.full(num_device_blocks, -1, dtype=np.int64)
         self._host_last = np.full(num_host_blocks, -1, dtype=np.int64)
-        self._live: dict[int, Task] = {}  # seq -> task not yet DONE/CANCELLED
+        self._live: dict[int, Task] = {}  # seq -> task not yet DONE/CANCELLED, by seq
         self._agreed_last = -1  # seq of the last admitted ``OpSpec.agreed`` task
         self._ready: dict[Op, list[tuple[tuple[int, int], Task]]] = {
             op: [] for ops in LANES.values() for op in ops}
@@ -167,9 +167,10 @@ class Scheduler:
             else:
                 prev = np.concatenate((self._dev_last[device_ids], self._host_last[host_ids]))
                 # Only unfinished tasks matter; they are the newest, so a cheap compare
-                # with the oldest of them leaves a handful of values to deduplicate.
-                oldest = min(self._live) if self._live else self._seq
-                earlier = set(np.unique(prev[prev >= oldest]).tolist())
+                # with the oldest of them (the first in ``_live``, which keeps admission
+                # order) leaves a handful of values for a set.
+                oldest = next(iter(self._live), self._seq)
+                earlier = set(prev[prev >= oldest].tolist())
             if OPS[op].agreed:  # after the previous one, whatever its blocks
                 earlier.add(self._agreed_last)
                 self._agreed_last = task.seq

@@ -108,6 +108,7 @@ assert RECORD.size == 128, RECORD.size
 STATE_OFFSET = 8 * 6 + 4 + 4 + 2  # byte offset of ``state`` inside a record
 # finish() writes in place: reply fields a, b (QQ at 32), code (H at 56), the message
 OUTCOME_AT, CODE_AT, OP_AT, MESSAGE_BYTES = 8 * 4, STATE_OFFSET - 2, STATE_OFFSET + 1, 66
+CID_AT, ARENA_AT = 8, 8 * 3  # a record's cid (cs follows it) and arena offset
 
 # Header slots.
 _MAGIC, _CAPACITY, _ARENA, _HEAD, _TAIL, _ARENA_HEAD, _DROPPED = range(7)
@@ -357,11 +358,10 @@ class Journal:
         return int(self._buf[self._at(seq) + STATE_OFFSET])
 
     def _retire_oldest(self, tail: int) -> bool:
-        """Drop the oldest record (``tail``) if it is DONE, raising its client's mark to
-        its ``cs``."""
+        """Drop the oldest record (``tail``) if DONE, raising its client's mark to its cs."""
         if self._state(tail) == RecordState.ADMITTED:
             return False
-        cid, cs = _PAIR.unpack_from(self._buf, self._at(tail) + 8)
+        cid, cs = _PAIR.unpack_from(self._buf, self._at(tail) + CID_AT)
         if cid and cs:
             row = self._find_mark(cid)
             if row is None:
@@ -413,7 +413,7 @@ class Journal:
             head += self.arena_bytes - phys  # skip the end: spans never wrap
         while self._oldest_live < end and self._state(self._oldest_live) != RecordState.ADMITTED:
             self._oldest_live += 1
-        used_from = (struct.unpack_from("<Q", self._buf, self._at(self._oldest_live) + 24)[0]
+        used_from = (struct.unpack_from("<Q", self._buf, self._at(self._oldest_live) + ARENA_AT)[0]
                      if self._oldest_live < end else head)
         if head + length - used_from > self.arena_bytes:
             return None

@@ -3,6 +3,7 @@ and what a second incarnation (a new Journal over the same segment) sees."""
 
 from __future__ import annotations
 
+import struct
 import tracemalloc
 
 import numpy as np
@@ -11,6 +12,8 @@ import pytest
 from kvswap.client.errors import ErrorCode
 from kvswap.client.protocol import Op
 from kvswap.daemon.journal import (
+    ARENA_AT,
+    CID_AT,
     CLIENTS,
     HEADER,
     MARK,
@@ -44,10 +47,13 @@ def test_layout_drawn_in_the_docstring_holds():
     assert HEADER.size == 64 and MARK.size == 16 and RECORD.size == 128
     assert RECORDS_OFFSET == 64 + CLIENTS * 16 == 4160
     assert "4160    records" in mod.__doc__ and "64      client marks" in mod.__doc__
-    # the state byte sits where finish() writes it last
+    # the state byte sits where finish() writes it last; cid, cs and the arena offset
+    # where admission reads them alone
     raw = bytearray(RECORD.size)
     RECORD.pack_into(raw, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0xAB, 1, 0, 4, b"")
     assert raw[STATE_OFFSET] == 0xAB
+    assert struct.unpack_from("<QQ", raw, CID_AT) == (2, 3)
+    assert struct.unpack_from("<Q", raw, ARENA_AT) == (4,)
 
 
 def test_outcome_survives_a_new_incarnation(names):

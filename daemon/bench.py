@@ -102,13 +102,22 @@ class _Namespace:
 TASKS_LAYOUT = "layers=8,block_tokens=16,heads=1,head_dim=128,dtype=float16,blocks=4096"
 
 
-def _pipelined(client: TransferClient, n: int, window: int, blocks: int) -> float:
-    """Tasks/s of ``n`` one-block evicts (distinct blocks inside the window)."""
+def _task_blocks(i: int, blocks: int, per_task: int) -> list[int]:
+    """The blocks of the ``i``-th task of ``per_task`` consecutive blocks: tasks take
+    the ``blocks // per_task`` slots in turn, so a window of fewer tasks never repeats
+    a block (each task independent of the others in flight)."""
+    start = (i % (blocks // per_task)) * per_task
+    return [start] if per_task == 1 else list(range(start, start + per_task))
+
+
+def _pipelined(client: TransferClient, n: int, window: int, blocks: int,
+               per_task: int = 1) -> float:
+    """Tasks/s of ``n`` evicts of ``per_task`` blocks (distinct blocks inside the window)."""
     inflight: deque = deque()
     t0 = time.perf_counter()
     for i in range(n):
-        b = i % blocks
-        inflight.append(client.evict([b], [b]))
+        ids = _task_blocks(i, blocks, per_task)
+        inflight.append(client.evict(ids, ids))
         if len(inflight) >= window:
             inflight.popleft().result(60)
     for f in inflight:
@@ -116,14 +125,17 @@ def _pipelined(client: TransferClient, n: int, window: int, blocks: int) -> floa
     return n / (time.perf_counter() - t0)
 
 
-def _batched(client: TransferClient, n: int, per_batch: int, blocks: int) -> float:
+def _batched(client: TransferClient, n: int, per_batch: int, blocks: int, window: int,
+             per_task: int = 1) -> float:
+    """Tasks/s of ``n`` evicts sent ``per_batch`` per ``submit_batch``, at most ``window``
+    in flight before a batch is sent (so ``window + per_batch`` after it)."""
     t0 = time.perf_counter()
     pending: deque = deque()
     for start in range(0, n, per_batch):
-        specs = [TransferSpec.evict([b % blocks], [b % blocks])
-                 for b in range(start, min(n, start + per_batch))]
+        specs = [TransferSpec.evict(ids, ids) for ids in (
+            _task_blocks(i, blocks, per_task) for i in range(start, min(n, start + per_batch)))]
         pending.extend(client.submit_batch(specs))
-        while len(pending) > 4 * per_batch:
+        while len(pending) > window:
             pending.popleft().result(60)
     for f in pending:
         f.result(60)
@@ -140,8 +152,16 @@ def path_used(client: TransferClient) -> str:
 def bench_tasks(args: argparse.Namespace) -> dict:
     """Merging off (the reference), on, and ``submit_batch``: both namespaces up at
     once and measured in turns, each round in a rotated order, so that the machine's
-    load between rows moves every row alike."""
+    load between rows moves every row alike.  Tasks of ``--blocks-per-task`` blocks
+    (64 KiB each at this layout): above ``--inline-max-bytes`` (256 KiB, so from 5
+    blocks on) the copy workers run them, not the I/O thread."""
     blocks = 4096
+    per_task = args.blocks_per_task
+    in_flight = args.window + 64  # batch64: the window, then the batch sent after it
+    if in_flight * per_task > blocks:
+        raise BenchError(f"--blocks-per-task {per_task}: {in_flight} tasks in flight (--window "
+                         f"{args.window}, and a batch of 64) would repeat blocks of the "
+                         f"{blocks}; use at most {blocks // in_flight}, or a smaller --window")
     merged = 0  # merged passes of the "merge" rows alone (batch64 runs in that namespace too)
 
     def merged_passes(client: TransferClient) -> int:
@@ -151,19 +171,19 @@ def bench_tasks(args: argparse.Namespace) -> dict:
     def merging(client: TransferClient) -> float:
         nonlocal merged
         before = merged_passes(client)
-        rate = _pipelined(client, args.tasks, args.window, blocks)
+        rate = _pipelined(client, args.tasks, args.window, blocks, per_task)
         merged += merged_passes(client) - before
         return rate
 
     with _Namespace(args.tp, TASKS_LAYOUT, blocks, path=args.path, merge=False) as off, \
             _Namespace(args.tp, TASKS_LAYOUT, blocks, path=args.path, merge=True) as on:
         runs: list[tuple[str, Callable[[], float]]] = [
-            ("no_merge", lambda: _pipelined(off, args.tasks, args.window, blocks)),
+            ("no_merge", lambda: _pipelined(off, args.tasks, args.window, blocks, per_task)),
             ("merge", lambda: merging(on)),
-            ("batch64", lambda: _batched(on, args.tasks, 64, blocks)),
+            ("batch64", lambda: _batched(on, args.tasks, 64, blocks, args.window, per_task)),
         ]
         for client in (off, on):
-            _pipelined(client, 500, args.window, blocks)  # warm-up
+            _pipelined(client, 500, args.window, blocks, per_task)  # warm-up
         rates: dict[str, list[float]] = {name: [] for name, _ in runs}
         for k in range(args.repeat):
             for name, run in _rotated(runs, k):
@@ -173,8 +193,8 @@ def bench_tasks(args: argparse.Namespace) -> dict:
     rows = []
     for name, _ in runs:
         rate = statistics.median(rates[name])
-        row = {"mode": name, "tp": args.tp, "path": paths[name], "tasks_per_s": round(rate),
-               "vs_no_merge": round(rate / base, 2)}
+        row = {"mode": name, "tp": args.tp, "path": paths[name], "blocks_per_task": per_task,
+               "tasks_per_s": round(rate), "vs_no_merge": round(rate / base, 2)}
         if name == "merge":
             row["merged_batches"] = merged
         rows.append(row)
@@ -930,6 +950,9 @@ def _args_tasks(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=_COUNT, default=256, metavar="N", help="tasks in flight")
     p.add_argument("--repeat", type=_COUNT, default=3, metavar="N",
                    help="measurements per figure (the median is reported)")
+    p.add_argument("--blocks-per-task", type=_COUNT, default=1, metavar="N",
+                   help="blocks of each evict, 64 KiB each: from 5 on (above "
+                        "--inline-max-bytes) the copy workers run them")
     _arg_path(p)
 
 

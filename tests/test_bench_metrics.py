@@ -102,6 +102,26 @@ def test_data_bench_schema_and_bytes():
     assert not _leftovers(f"bench-{proc.pid}")
 
 
+@pytest.mark.parametrize("per_task,in_flight", [(1, 320), (12, 320), (40, 80), (51, 80)])
+def test_tasks_bench_tasks_in_flight_never_share_a_block(per_task, in_flight):
+    """``kvswap bench tasks --blocks-per-task N``: each task is N consecutive blocks,
+    and as many tasks as the bench keeps in flight (the window and a batch of 64: 320
+    by default, 80 with ``--window 16``) never repeat one, so no task waits for
+    another (hazard ordering would otherwise serialise them)."""
+    tasks = [bench._task_blocks(i, 4096, per_task) for i in range(1000)]
+    assert all(t == list(range(t[0], t[0] + per_task)) for t in tasks)
+    for lo in range(0, 1000 - in_flight):
+        window = [b for t in tasks[lo:lo + in_flight] for b in t]
+        assert len(set(window)) == len(window)
+
+
+def test_tasks_bench_refuses_tasks_that_would_share_blocks(capsys):
+    args = build_parser().parse_args(["bench", "tasks", "--blocks-per-task", "13"])
+    assert bench.run(args) == 1
+    err = capsys.readouterr().err
+    assert "--blocks-per-task 13" in err and "use at most 12" in err
+
+
 def test_plot_without_matplotlib_fails_before_measuring(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes the import fail
     args = build_parser().parse_args(["bench", "data", "--plot", "never.png"])

@@ -84,7 +84,7 @@ class HostPlanCopier:
             bad = (int(runs[0].min()) < 0 or int(runs[1].min()) < 0
                    or int((runs[0] + runs[2]).max()) > src_n
                    or int((runs[1] + runs[2]).max()) > dst_n)
-            blocks = int(runs[2].sum())
+            blocks = plan.num_blocks
         if bad:
             raise IndexError(f"copy plan outside {src_n} source / {dst_n} destination blocks")
         src, dst = (self._a, self._b) if a_to_b else (self._b, self._a)

@@ -5,9 +5,12 @@ the byte range ``[base + b * bpb, base + (b + 1) * bpb)``.  The engine resolves
 every tensor's base addresses once (:class:`HostPlanCopier`) and moves a whole
 task, every run of every tensor, in one call into the compiled loop
 ``kvswap.kernels._hostcopy.copy_runs`` (memcpy per run, GIL released): a
-per-run Python call would cost as much as copying a 4 KiB block.  Large tasks
-split their tensors over two threads, since the loop runs without the GIL.  It
-is dtype-agnostic (bf16, fp8, scales ...).
+per-run Python call would cost as much as copying a 4 KiB block.  A pass of
+:data:`SPLIT_BYTES` or more splits its tensors over two threads (the caller and
+one helper per copier), since the loop runs without the GIL; a caller that
+finishes its half before the helper took the other (busy with another worker's
+half) copies that one too rather than queue behind it.  It is dtype-agnostic
+(bf16, fp8, scales ...).
 
 Raw-pointer copies trust their indices, so :meth:`HostPlanCopier.copy` checks the
 plan against both block counts before the first byte moves (the daemon has
@@ -25,9 +28,12 @@ import numpy as np
 from kvswap.kernels._hostcopy import copy_runs
 from kvswap.kernels.planner import CopyPlan
 
-# A task at least this large is split over two threads (one half of its tensors
-# each); below it, a thread hand-off costs more than it saves.
-SPLIT_BYTES = 8 << 20
+# A pass at least this large is split over two threads (one half of its tensors
+# each); below it, a thread hand-off costs more than it saves.  On the 2-CPU
+# development VM (one layer, K and V, copied 32 times) the split broke even at
+# 512 KiB a pass and was 26% faster at 1 MiB, 32% at 2 MiB (the layer of
+# ``kvswap bench layerwise``).
+SPLIT_BYTES = 1 << 20
 
 
 def as_block_bytes(arr: np.ndarray) -> np.ndarray:
@@ -96,5 +102,8 @@ class HostPlanCopier:
         if len(bpb) > 1 and row_bytes * blocks >= SPLIT_BYTES:
             half = len(bpb) // 2
             other = self._helper.submit(copy_runs, src[half:], dst[half:], bpb[half:], *runs)
-            return copy_runs(src[:half], dst[:half], bpb[:half], *runs) + other.result()
+            copied = copy_runs(src[:half], dst[:half], bpb[:half], *runs)
+            if other.cancel():  # the helper is busy with another worker's half: not worth
+                return copied + copy_runs(src[half:], dst[half:], bpb[half:], *runs)  # the wait
+            return copied + other.result()
         return copy_runs(src, dst, bpb, *runs)

@@ -131,3 +131,41 @@ def test_large_tasks_split_over_two_threads_copy_the_same_bytes():
     assert moved == 4 * n * bpb and layer == 3 * bpb
     for a, b in pairs:
         assert np.array_equal(b[dst], a[src])
+
+
+def test_a_split_half_the_busy_helper_has_not_started_is_copied_by_the_caller():
+    """Two workers splitting at once share one helper: the second must not queue
+    behind the first's half.  The helper is held by a gate, so only the caller can
+    copy; the copy has to finish (and be right) while the gate is still closed."""
+    import threading
+
+    from kvswap.kernels.host_copy import SPLIT_BYTES, HostPlanCopier
+    bpb = 64 << 10
+    n = SPLIT_BYTES // bpb
+    rng = np.random.default_rng(5)
+    pairs = [(rng.integers(0, 255, (n, bpb), dtype=np.uint8), np.zeros((n, bpb), np.uint8))
+             for _ in range(2)]
+    copier = HostPlanCopier(pairs)
+    gate, busy = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        busy.set()
+        gate.wait(30)
+
+    try:
+        held = copier._helper.submit(hold)
+        assert busy.wait(10)
+        src, dst = rng.permutation(n), rng.permutation(n)
+        done: list[int] = []
+        worker = threading.Thread(target=lambda: done.append(
+            copier.copy(plan_copy(src, dst), a_to_b=True)))
+        worker.start()
+        worker.join(10)
+        assert not worker.is_alive() and not gate.is_set()
+        assert done == [2 * n * bpb]
+        for a, b in pairs:
+            assert np.array_equal(b[dst], a[src])
+    finally:
+        gate.set()
+        held.result(10)
+        copier.close()

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from kvswap.client.naming import Names
 from kvswap.client.rings import Bell, RingSegment
+from kvswap.client.shm_region import unlink_shm
 from kvswap.daemon.bench import CONTROL_BLOCKS, CONTROL_LAYOUT, _Namespace
 from kvswap.daemon.bench_refs import FloorRef, measure_latencies_us
 
@@ -79,6 +80,7 @@ class RingEcho:
     def __init__(self, run: Path):
         namespace = "kvsfloor" + secrets.token_hex(3)
         self._run = run
+        self._names = Names(namespace, run)
         run.mkdir()
         self._child = subprocess.Popen(
             [sys.executable, __file__, "--serve", namespace, str(run)],
@@ -86,9 +88,9 @@ class RingEcho:
         assert self._child.stdout is not None
         ready, _, _ = select.select([self._child.stdout], [], [], 30)
         if not ready or self._child.stdout.readline().strip() != "ready":
-            self._child.kill()
+            self._stop_child()
             raise SystemExit("ring echo server did not start")
-        self._seg = RingSegment.attach(Names(namespace, run), 0)
+        self._seg = RingSegment.attach(self._names, 0)
         rq_path, cq_path = _bells(run)
         self._tx, self._rx = Bell.connect(rq_path), Bell.listen(cq_path)
         self._poller = select.poll()
@@ -138,15 +140,20 @@ class RingEcho:
             self._send([_STOP])
             self._child.wait(30)
         finally:
-            if self._child.poll() is None:
-                self._child.kill()
-                self._child.wait()
+            self._stop_child()
             if self._reader is not None:
                 self._rx_wake()
                 self._reader.join(5)
             for bell in (self._tx, self._rx):
                 bell.close()
             self._seg.close()
+
+    def _stop_child(self) -> None:
+        """Kill the server if it still runs; its segment goes with it either way."""
+        if self._child.poll() is None:
+            self._child.kill()
+            self._child.wait()
+        unlink_shm(self._names.ring_segment(0))
 
     def _rx_wake(self) -> None:
         """Wake a reader asleep on the completion bell (it then sees ``_closing``)."""

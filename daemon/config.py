@@ -229,7 +229,9 @@ class DaemonOptions(NamespaceOptions):
     drain_timeout_s: float = option(
         60.0, flag="--drain-timeout", parse=float, check=positive,
         help="seconds a clear, or a replacing register (an engine restart), waits for "
-             "accepted tasks to finish")
+             "accepted tasks to finish; also the longest a daemon's stop may take: past "
+             "it the daemon exits at once with status 3, releasing nothing, as after a "
+             "kill -9")
     journal_records: int = option(
         65536, flag="--journal-records", parse=int, check=at_least(1),
         help="completion journal: how many finished tasks each rank remembers, so a task "

@@ -8,11 +8,14 @@ is set in ``__init__`` and never rebound, so any thread may read it.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
+import sys
 import threading
 import time
+from typing import NoReturn
 
 from kvswap.client.errors import ErrorCode, KvswapError, NotReady
 from kvswap.client.layer_progress import LayerProgress
@@ -33,6 +36,9 @@ from kvswap.daemon.malloc_tuning import Trimmer
 from kvswap.daemon.state import StateMachine
 
 log = logging.getLogger("kvswap.daemon")
+
+# Exit status of a daemon whose stop did not finish by its deadline (Heartbeat).
+EXIT_STOP_STUCK = 3
 
 _LIVE_STATES = frozenset({RankState.STARTING, RankState.ATTACHING, RankState.READY,
                           RankState.PAUSED, RankState.CLEARING, RankState.CLEARED,
@@ -132,8 +138,16 @@ class RankContext:
 
 class Heartbeat:
     """The heartbeat thread: ``heartbeat_ns`` every ``heartbeat_interval_s``, a clean
-    stop (SIGTERM to itself) once the daemon is orphaned, and free heap memory
-    returned to the system every few seconds (:mod:`~kvswap.daemon.malloc_tuning`)."""
+    stop (SIGTERM to itself) once the daemon is orphaned, free heap memory returned
+    to the system every few seconds (:mod:`~kvswap.daemon.malloc_tuning`), and the
+    stop's deadline.
+
+    A stop waits for running tasks, and a thread stuck for good (a storage call on a
+    hung file system, a copy that never completes, a teardown step that blocks) would
+    hold the daemon in STOPPING forever; an orphan has nobody left to kill it.  So
+    once ``--drain-timeout`` has passed since this thread first saw the stop, it
+    ends the process the way ``kill -9`` would (:meth:`_abandon`).  This thread is
+    the one to do it because it runs nothing else that could be stuck."""
 
     def __init__(self, rank: RankContext):
         self._rank = rank
@@ -149,15 +163,39 @@ class Heartbeat:
         self._thread.join(timeout=5)
 
     def _beat(self) -> None:
+        rank = self._rank
         next_orphan_check = 0.0
+        stop_seen: float | None = None  # when this thread first saw the stop
         while not self._stop.is_set():
-            self._rank.sig[RankSlot.HEARTBEAT_NS] = now_ns()
+            rank.sig[RankSlot.HEARTBEAT_NS] = now_ns()
             self._trimmer.maybe()
-            if time.monotonic() >= next_orphan_check:
-                next_orphan_check = time.monotonic() + 1.0
-                why = self._rank.orphaned()
+            now = time.monotonic()
+            if rank.stopping.is_set():
+                if stop_seen is None:
+                    stop_seen = now
+                elif now - stop_seen > rank.cfg.drain_timeout_s:
+                    self._abandon(now - stop_seen)
+            elif now >= next_orphan_check:
+                next_orphan_check = now + 1.0
+                why = rank.orphaned()
                 if why:
                     log.warning("orphaned: %s; exiting", why)
                     os.kill(os.getpid(), signal.SIGTERM)  # the normal, clean stop path
-                    return
-            self._stop.wait(self._rank.cfg.heartbeat_interval_s)
+            self._stop.wait(rank.cfg.heartbeat_interval_s)
+
+    def _abandon(self, waited: float) -> NoReturn:
+        """Exit now, releasing nothing: a stuck thread may still use the pool and the
+        mappings.  As after ``kill -9``, the journal stays for the next incarnation
+        (the tasks in doubt are settled there) and the launcher removes what is left."""
+        rank = self._rank
+        me = threading.current_thread()
+        running = sorted(t.name for t in threading.enumerate() if t is not me)
+        rank.sm.fail(ErrorCode.RANK_TIMEOUT,
+                     f"the stop has not finished {waited:.1f}s after it began "
+                     f"(--drain-timeout {rank.cfg.drain_timeout_s:g}); threads still "
+                     f"running: {', '.join(running)}; exiting with status {EXIT_STOP_STUCK} "
+                     f"without releasing anything, as a kill -9 would (their stacks follow)")
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        os._exit(EXIT_STOP_STUCK)

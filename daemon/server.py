@@ -56,7 +56,8 @@ class Daemon:
 
     def run(self) -> int:
         """Open the rank, bind, attach, serve; the exit status (0 after a clean stop,
-        1 if the I/O loop crashed, 2 if the socket cannot be bound)."""
+        1 if the I/O loop crashed, 2 if the socket cannot be bound; the heartbeat
+        thread ends a stop still running after --drain-timeout with status 3)."""
         cfg = self.cfg
         rank = RankContext.open(cfg)
         crashpoints.configure(rank.names.run_dir)

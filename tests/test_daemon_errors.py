@@ -1,9 +1,12 @@
 """How a daemon reports and contains failures: the ``last_error`` slot, log lines a
 peer cannot forge, a start whose own caches cannot be attached, the bound on an
-``exists``, and a prefetch whose store fails on one rank."""
+``exists``, a prefetch whose store fails on one rank, and a stop held up by a
+thread stuck for good."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -114,5 +117,53 @@ def test_a_rank_whose_store_fails_aborts_the_prefetch_on_every_rank(namespaces, 
         assert launcher.seg.ranks[0, RankSlot.LAST_ERROR] == ErrorCode.BARRIER_ABORTED
         entry.rmdir()
         assert client.evict([3], [3]).result(10)  # both ranks still serve
+    finally:
+        client.close()
+
+
+def _blocked_in_fifo_open(pid: int) -> bool | None:
+    """True once a thread of ``pid`` waits in open() of a FIFO nobody writes."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if (task / "wchan").read_text() == "wait_for_partner":  # fs/pipe.c
+                return True
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+    return None
+
+
+def test_a_stop_stuck_past_its_deadline_ends_the_daemon_as_a_kill_would(namespaces, tmp_path):
+    """A storage read that never returns (the entry is a FIFO nobody writes to: a
+    hung file system) holds the storage worker, so the stop's wait for running tasks
+    never ends.  The daemon must still exit once --drain-timeout has passed, with
+    status 3 and every thread's stack in its log, not stay STOPPING forever."""
+    drain = 1.5
+    store = tmp_path / "store"
+    launcher = namespaces.launch(tp=1, demo_caches=SMALL_LAYOUT, host_blocks=HOST,
+                                 storage_url=f"file://{store}", drain_timeout_s=drain)
+    client = TransferClient(launcher.names.namespace, 1, run_root=str(launcher.names.run_root),
+                            task_timeout=60)
+    try:
+        client.wait_ready(20)
+        keys = block_hashes(list(range(4)), 4)
+        client.evict([1], [0]).result(10)
+        assert client.backup([0], keys).result(10).count == 1
+        tensors = [TensorDesc(t.name, t.layer, t.dtype, t.shape)
+                   for t in demo_layout(SMALL_LAYOUT)]
+        name = entry_name(keys[0], 0, model_fingerprint(layout_hash(tensors), "default|tp=1"))
+        entry = Path(store, shard_of(name), name)
+        entry.unlink()
+        os.mkfifo(entry)
+        client.prefetch(keys, [5])
+        daemon = launcher.procs[0]
+        assert poll_until(lambda: _blocked_in_fifo_open(daemon.pid), time.monotonic() + 10)
+        t0 = time.monotonic()
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(drain + 15) == 3
+        took = time.monotonic() - t0
+        assert drain <= took < drain + 10, took
+        log = launcher.names.log_path(0, launcher.log_dir).read_text()
+        assert "the stop has not finished" in log and "storage-0" in log
+        assert "_read" in log  # the stuck thread's stack: the file store's read
     finally:
         client.close()

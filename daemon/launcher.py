@@ -45,6 +45,7 @@ from kvswap.client.naming import Names
 from kvswap.client.protocol import Op, encode_request
 from kvswap.client.signals import (
     HeaderSlot,
+    RankSlot,
     RankState,
     SignalSegment,
     create_semaphores,
@@ -104,6 +105,26 @@ def error_lines(path: Path, rank: int, most: int = 3) -> str:
     if not entries:
         return log_tail(path, 10)
     return "\n".join(line for entry in entries[-most:] for line in entry)
+
+
+def daemons_left(names: Names, seg: SignalSegment) -> list[tuple[int, int]]:
+    """(rank, pid) of every rank slot whose pid still runs a daemon of this namespace:
+    alive, and its command line names the namespace (a pid the system has given to
+    another process since does not count)."""
+    ns = names.namespace.encode()
+    left = []
+    for r in range(seg.tp_size):
+        pid = int(seg.ranks[r, RankSlot.PID])
+        if not pid or pid == os.getpid() or not pid_alive(pid):
+            continue
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # exited meanwhile
+            continue
+        if any(a == b"--namespace=" + ns or (a == b"--namespace" and b == ns)
+               for a, b in zip(args, args[1:])):
+            left.append((r, pid))
+    return left
 
 
 class RankLog:
@@ -210,12 +231,25 @@ class Launcher:
                     f"if no process of the namespace runs, remove its leftovers: "
                     f"rm -f /dev/shm/{self.names.prefix}* /dev/shm/sem.{self.names.prefix}*"
                 ) from None
-            pid = int(other.header[HeaderSlot.LAUNCHER_PID])
-            other.close()
+            try:
+                pid = int(other.header[HeaderSlot.LAUNCHER_PID])
+                left = daemons_left(self.names, other)
+            finally:
+                other.close()
             if pid and pid != os.getpid() and pid_alive(pid):
                 raise NamespaceError(
                     f"namespace {self.names.namespace!r} is in use by launcher pid {pid}; "
                     f"stop it first or choose another --namespace")
+            if left:
+                # Sweeping now would let them, when they stop, unlink the new
+                # incarnation's segments and files, which reuse their names.
+                ranks = ", ".join(f"rank {r} pid {p}" for r, p in left)
+                raise NamespaceError(
+                    f"namespace {self.names.namespace!r}: its launcher (pid {pid}) is gone but "
+                    f"its daemons still run ({ranks}): an engine may still use them, and each "
+                    f"exits by itself once the engine's heartbeat has been silent for "
+                    f"--orphan-timeout; stop them first (kill "
+                    f"{' '.join(str(p) for _, p in left)}) or choose another --namespace")
         removed = sweep_namespace(self.names)
         log.warning("namespace %s: removed leftovers of a launcher that is gone: %s",
                     self.names.namespace, ", ".join(removed) or "run dir only")

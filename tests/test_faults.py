@@ -19,6 +19,7 @@ from kvswap.client import (
     CacheTensor,
     CacheWorker,
     ErrorCode,
+    NamespaceError,
     TransferClient,
     TransferFailed,
 )
@@ -30,10 +31,13 @@ from kvswap.client.signals import (
     RankSlot,
     RankState,
     SignalSegment,
+    now_ns,
+    pid_alive,
     poll_until,
 )
+from kvswap.daemon.config import LaunchConfig
 from kvswap.daemon.demo import RankView, pattern
-from kvswap.daemon.launcher import sweep_namespace
+from kvswap.daemon.launcher import Launcher, sweep_namespace
 from kvswap.daemon.supervisor import ProcState, SupervisorConfig
 
 from conftest import wait_for_namespace_state, wait_for_state
@@ -305,6 +309,47 @@ def test_orphaned_daemons_exit_cleanly(run_root):
     finally:
         if launch.poll() is None:
             launch.kill()
+        sweep_namespace(names)
+
+
+def test_a_relaunch_while_a_dead_launchers_daemons_still_run_is_refused(run_root):
+    """The launcher dies while an engine still beats, so its daemons keep serving.
+    A new launch of the namespace must not sweep it and start beside them (once
+    stopped, they would unlink the new incarnation's segments, which reuse their
+    names): it is refused, naming their pids, and changes nothing."""
+    names = Names.of(f"relaunch{os.getpid()}", run_root)
+    launch = subprocess.Popen([sys.executable, "-m", "kvswap.daemon.cli", "launch", "--namespace",
+                               names.namespace, "--run-root", run_root, "--tp", "1",
+                               "--demo-caches", LAYOUT, "--host-blocks", "8",
+                               "--orphan-timeout", "120"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    pid = None
+    try:
+        for line in launch.stdout:  # progress lines, then "... READY on 1 rank(s)"
+            if "READY on" in line:
+                break
+        else:
+            pytest.fail("kvswap launch exited before READY")
+        seg = SignalSegment.attach(names)
+        seg.header[HeaderSlot.ENGINE_HEARTBEAT_NS] = now_ns()  # an engine that still beats
+        pid = int(seg.ranks[0, RankSlot.PID])
+        os.kill(launch.pid, signal.SIGKILL)
+        launch.wait(10)
+        before = sorted(names.owned_shm())
+        again = Launcher(LaunchConfig(namespace=names.namespace, tp=1, run_root=run_root,
+                                      demo_caches=LAYOUT, host_blocks=8))
+        with pytest.raises(NamespaceError) as ei:
+            again.start()
+        assert f"rank 0 pid {pid}" in str(ei.value) and "launcher" in str(ei.value)
+        assert sorted(names.owned_shm()) == before  # nothing swept
+        assert pid_alive(pid) and seg.state_of(0) == RankState.READY
+        seg.close()
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+        if pid is not None and pid_alive(pid):
+            os.kill(pid, signal.SIGTERM)
+            _until(lambda: not pid_alive(pid), 20, f"pid {pid} to exit")
         sweep_namespace(names)
 
 

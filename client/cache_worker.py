@@ -12,6 +12,7 @@ the worker unlinks them on :meth:`close` (it created them).
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -24,7 +25,14 @@ from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, RankTimeou
 from kvswap.client.layer_progress import LayerProgress
 from kvswap.client.layout import TensorDesc, validate_layout
 from kvswap.client.naming import Names, check_tensor_name
-from kvswap.client.protocol import Op, Reply, decode_reply, encode_request
+from kvswap.client.protocol import (
+    Op,
+    Reply,
+    check_int,
+    check_seconds,
+    decode_reply,
+    encode_request,
+)
 from kvswap.client.shm_region import ShmRegion
 from kvswap.client.signals import HeaderSlot, SignalSegment, now_ns
 
@@ -41,11 +49,28 @@ class CacheTensor:
     replicated: bool = False
 
 
+# Bounds of the worker's arguments: a rank index (the signal segment's own limit is
+# lower: the namespace's tp_size), and the engine heartbeat's interval, which must stay
+# well inside the launcher's --engine-timeout (default 60 s).
+_MAX_RANK = 1 << 20
+_MIN_HEARTBEAT_S = 0.001
+_MAX_HEARTBEAT_S = 30.0
+
+
 class CacheWorker:
     def __init__(self, namespace: str, rank: int, run_root: str | None = None,
                  backend: str = "host", heartbeat_interval_s: float = 0.5):
         if backend not in ("host", "cuda"):
             raise ValueError(f"unknown backend {backend!r} (host, cuda)")
+        # checked before anything is attached or started: a heartbeat thread that dies
+        # on a bad interval would let the launcher tear the namespace down
+        rank = check_int(rank, "rank", 0, _MAX_RANK)
+        heartbeat_interval_s = check_seconds(heartbeat_interval_s, "heartbeat_interval_s",
+                                             positive=True, most=_MAX_HEARTBEAT_S)
+        if heartbeat_interval_s < _MIN_HEARTBEAT_S:
+            raise InvalidTask(f"heartbeat_interval_s must be at least {_MIN_HEARTBEAT_S}s "
+                              f"(shorter only burns a core), got {heartbeat_interval_s}",
+                              ErrorCode.BAD_FIELD)
         self.names = Names.of(namespace, run_root)
         self.seg = SignalSegment.attach(self.names)
         if not 0 <= rank < self.seg.tp_size:
@@ -87,16 +112,27 @@ class CacheWorker:
         if self.backend != "host":
             raise ValueError("alloc_host_tensor is for the host backend only")
         check_tensor_name(name)
-        if name in self._regions:
-            raise ValueError(f"tensor {name!r} already allocated by this worker")
-        shape = tuple(int(d) for d in shape)
-        if not shape or any(d <= 0 for d in shape):
-            raise ValueError(f"shape must be non-empty with positive dims, got {shape}")
-        dt = np.dtype(dtype)
-        nbytes = int(np.prod(shape)) * dt.itemsize
-        region = ShmRegion.create(self.names.device_segment(self.rank, name), nbytes)
-        self._regions[name] = region
-        return region.array(0, shape, dt)
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence) or not shape:
+            raise InvalidTask(f"shape must be a non-empty sequence of ints, got {shape!r:.60}",
+                              ErrorCode.BAD_FIELD)
+        dims = tuple(check_int(d, f"shape[{i}]", 1, 1 << 40) for i, d in enumerate(shape))
+        try:
+            dt = np.dtype(dtype)
+        except TypeError as exc:
+            raise InvalidTask(f"dtype {dtype!r:.40} is not a numpy dtype: {exc}",
+                              ErrorCode.BAD_FIELD) from None
+        if dt.hasobject or dt.itemsize == 0:
+            raise InvalidTask(f"dtype {dt} cannot live in shared memory: use a numeric dtype "
+                              f"(uint8 for fp8 caches)", ErrorCode.BAD_FIELD)
+        nbytes = math.prod(dims) * dt.itemsize  # Python ints: no silent wrap-around
+        with self._lock:
+            if self._closed:
+                raise KvswapError("CacheWorker is closed", ErrorCode.SHUTTING_DOWN)
+            if name in self._regions:
+                raise ValueError(f"tensor {name!r} already allocated by this worker")
+            region = ShmRegion.create(self.names.device_segment(self.rank, name), nbytes)
+            self._regions[name] = region
+        return region.array(0, dims, dt)
 
     def _describe(self, t: CacheTensor) -> TensorDesc:
         if not isinstance(t.replicated, bool):
@@ -148,6 +184,10 @@ class CacheWorker:
         """
         if not isinstance(replace, bool):
             raise ValueError(f"replace must be a bool, got {replace!r}")
+        timeout = check_seconds(timeout, "timeout", positive=True)
+        if isinstance(tensors, CacheTensor) or not isinstance(tensors, Sequence):
+            raise InvalidTask(f"tensors must be a list of CacheTensor, got "
+                              f"{type(tensors).__name__}", ErrorCode.BAD_FIELD)
         descs = [self._describe(t) for t in tensors]
         validate_layout(descs)
         fields = {"backend": self.backend, "tensors": [d.to_wire() for d in descs]}
@@ -209,10 +249,11 @@ class CacheWorker:
         self._hb.join(timeout=5)
         self._sock.close()
         self._ctx.term()
-        for region in self._regions.values():
+        with self._lock:  # no alloc_host_tensor runs now: it checks _closed under the lock
+            regions, self._regions = list(self._regions.values()), {}
+        for region in regions:
             region.unlink()
             region.close()
-        self._regions.clear()
         self._progress.close()
         self.seg.close()
 

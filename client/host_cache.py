@@ -71,7 +71,7 @@ from kvswap.client.errors import ErrorCode, KvswapError, RankTimeout
 from kvswap.client.host_cache_arc import ArcIndex
 from kvswap.client.host_cache_index import BlockIndex, LruIndex, show
 from kvswap.client.host_cache_persist import KEY_BYTES, PersistedIndex
-from kvswap.client.protocol import PrefetchOptions, as_block_ids
+from kvswap.client.protocol import PrefetchOptions, as_block_ids, first_duplicate
 from kvswap.client.signals import RankSlot
 
 if TYPE_CHECKING:
@@ -220,6 +220,19 @@ class HostCache:
     @property
     def capacity(self) -> int:
         return self._index.capacity
+
+    def _check_client(self, client: "TransferClient") -> None:
+        """A client that can carry this cache's transfers: open, and of a namespace whose
+        host pools hold every block id this cache hands out (checked before the index
+        changes: a refusal there would come after an eviction)."""
+        if client.closed:
+            raise KvswapError("TransferClient is closed", ErrorCode.SHUTTING_DOWN)
+        pool = int(client.seg.ranks[:, RankSlot.NUM_HOST_BLOCKS].min())
+        if pool and pool < self.capacity:
+            raise KvswapError(f"this HostCache has {self.capacity} blocks but the namespace's "
+                              f"host pools have {pool} per rank: create it with "
+                              f"HostCache({pool}, ...) (its capacity is --host-blocks)",
+                              ErrorCode.ID_OUT_OF_RANGE)
 
     @property
     def policy(self) -> str:
@@ -425,7 +438,8 @@ class HostCache:
         is done with them) before calling this."""
         hashes = list(hashes)
         dev = as_block_ids(device_blocks, "device_blocks")
-        _check_pairs(client, hashes, dev)
+        self._check_client(client)
+        _check_pairs(client, hashes, dev, unique=False)
         keys = {h: storage_key(h) for h in hashes} if backup else {}
         out = self.prepare_store(hashes)
         if out is None:
@@ -484,7 +498,8 @@ class HostCache:
         them; fetch then only loads and completes the load."""
         hashes = list(hashes)
         dev = as_block_ids(device_blocks, "device_blocks")
-        _check_pairs(client, hashes, dev)
+        self._check_client(client)
+        _check_pairs(client, hashes, dev, unique=True)
         if prepared:
             ids = np.array(self._index.loading_ids(hashes), dtype=np.int64)
         else:
@@ -524,6 +539,7 @@ class HostCache:
         from host memory are not prefetched at all (all in ``dropped``, nothing
         evicted to make room)."""
         PrefetchOptions.of(policy, timeout, min_blocks)
+        self._check_client(client)
         hashes = list(hashes)
         keys = {h: storage_key(h) for h in hashes}
         if min_blocks:
@@ -567,12 +583,18 @@ def _check_persistable(hashes: Sequence[Hashable]) -> None:
                              f"returns")
 
 
-def _check_pairs(client: "TransferClient", hashes: list, dev: np.ndarray) -> None:
-    """One device block per hash, each inside the namespace's device cache: checked
-    before the index changes, so a bad call is refused with nothing changed."""
+def _check_pairs(client: "TransferClient", hashes: list, dev: np.ndarray,
+                 unique: bool) -> None:
+    """One device block per hash, each inside the namespace's device cache and, where
+    they are written (``unique``: a fetch), none named twice: checked before the index
+    changes, so a bad call is refused with nothing changed."""
     if len(hashes) != len(dev):
         raise ValueError(f"{len(hashes)} hashes but {len(dev)} device blocks; give one device "
                          f"block per hash")
+    dup = first_duplicate(dev) if unique else None
+    if dup is not None:
+        raise KvswapError(f"device block {dup} is named more than once: a load writes each "
+                          f"destination once", ErrorCode.DUPLICATE_DESTINATION)
     limit = int(client.seg.ranks[:, RankSlot.NUM_DEVICE_BLOCKS].min())
     if limit and len(dev) and int(dev.max()) >= limit:
         raise KvswapError(f"device block {int(dev.max())} is out of range: the namespace's "

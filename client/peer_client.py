@@ -18,10 +18,12 @@ import numpy as np
 
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError
 from kvswap.client.protocol import (
+    MAX_SECONDS,
     Message,
     Op,
     as_block_ids,
     check_priority,
+    check_seconds,
     check_ids,
     request_header,
 )
@@ -64,14 +66,20 @@ def _host_ids(client: "TransferClient", host_blocks: Any, what: str, unique: boo
     return host
 
 
+def _check_secret(secret: Any) -> None:
+    if secret is not None and (not isinstance(secret, (bytes, bytearray)) or not secret):
+        raise InvalidTask(f"secret must be non-empty bytes (the namespace's --secret-file "
+                          f"contents) or None, got {type(secret).__name__}", ErrorCode.BAD_FIELD)
+
+
 def receive_into(client: "TransferClient", host_blocks: Any, ttl_s: float | None,
                  secret: bytes | None) -> tuple[bytes, "TransferFuture"]:
-    from kvswap.client.transfer_client import TransferFuture, _Envelope, _seconds
+    from kvswap.client.transfer_client import TransferFuture, _Envelope
 
     host = _host_ids(client, host_blocks, "receive_into", unique=True)
-    ttl = client.task_timeout if ttl_s is None else _seconds(ttl_s, "ttl_s", positive=True)
-    if secret is not None and (not isinstance(secret, (bytes, bytearray)) or not secret):
-        raise InvalidTask("secret must be non-empty bytes", ErrorCode.BAD_FIELD)
+    ttl = (client.task_timeout if ttl_s is None
+           else check_seconds(ttl_s, "ttl_s", positive=True, most=MAX_SECONDS))
+    _check_secret(secret)
     ranks, layout = peer_infos(client)
     ticket = Ticket.issue(client.names.namespace, layout, host.tolist(), ranks, ttl,
                           bytes(secret) if secret else client._secret)
@@ -98,6 +106,7 @@ def send_to(client: "TransferClient", ticket: Any, host_blocks: Any, secret: byt
             priority: int) -> "TransferFuture":
     from kvswap.client.transfer_client import _Envelope
 
+    _check_secret(secret)
     t = Ticket.from_bytes(ticket)
     host = _host_ids(client, host_blocks, "send_to", unique=False)
     prio = check_priority(priority)

@@ -25,6 +25,7 @@ that every op has a handler of the right shape), plus its row in
 from __future__ import annotations
 
 import enum
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
@@ -39,6 +40,11 @@ PROTOCOL_VERSION: tuple[int, int] = (1, 8)
 # Request and task ids are non-negative int64: they key shm tables (layer progress,
 # agreement, the completion journal) that hold them as 64-bit integers.
 ID_LIMIT = 1 << 63
+# The longest time a request may carry (a prefetch's timeout, a peer ticket's life,
+# a client's task timeout, which is a ticket's default life): one year.  Longer means
+# no limit, which a caller should say with the op's own "no limit" (no timeout),
+# and some of them cannot be held as nanoseconds on the wire.
+MAX_SECONDS = 366 * 86400.0
 
 # Bounds on what one message may make a daemon hold (docs/protocol.md section 2).
 MAX_HEADER_BYTES = 1 << 20  # the msgpack header frame
@@ -383,6 +389,22 @@ def check_int(value: Any, what: str, lo: int, hi: int) -> int:
     return v
 
 
+def check_seconds(value: Any, what: str, positive: bool, most: float = math.inf) -> float:
+    """A finite number of seconds (> 0 if ``positive``, else >= 0), at most ``most``, as a
+    float; :class:`InvalidTask` (BAD_FIELD) naming ``what`` otherwise."""
+    if (isinstance(value, (bool, np.bool_))
+            or not isinstance(value, (int, float, np.integer, np.floating))):
+        raise InvalidTask(f"{what} must be a number of seconds, got {type(value).__name__} "
+                          f"{value!r:.60}", ErrorCode.BAD_FIELD)
+    v = float(value)
+    if not math.isfinite(v) or v < 0 or (positive and v == 0) or v > most:
+        bound = "> 0" if positive else ">= 0"
+        cap = f", at most {most:.0f}" if math.isfinite(most) else ""
+        raise InvalidTask(f"{what} must be finite and {bound} seconds{cap}, got {v}",
+                          ErrorCode.BAD_FIELD)
+    return v
+
+
 def check_priority(value: Any) -> int:
     """A task priority: any signed 64-bit int (higher runs first among ready tasks)."""
     return check_int(value, "priority", *PRIORITY_RANGE)
@@ -624,6 +646,9 @@ def validate_storage(op: Op, host_ids: np.ndarray | None, n_keys: int,
                           f"blocks of a rank (the most one message may carry); split them "
                           f"over several messages", ErrorCode.MESSAGE_TOO_LARGE)
     if host_ids is None:
+        if op is not Op.EXISTS:
+            raise InvalidTask(f"{op.value} needs host_blocks: one host block per key, got None",
+                              ErrorCode.BAD_FIELD)
         return
     if host_ids.shape[0] != n_keys:
         raise InvalidTask(f"{op.value}: {host_ids.shape[0]} host blocks but {n_keys} keys",
@@ -759,18 +784,20 @@ class PrefetchOptions:
                               ErrorCode.BAD_FIELD) from None
         if timeout is not None and (isinstance(timeout, bool)
                                     or not isinstance(timeout, (int, float))
-                                    or not 0 < timeout < float("inf")):
-            raise InvalidTask(f"prefetch timeout must be a positive number of seconds or None, "
-                              f"got {timeout!r:.60}", ErrorCode.BAD_FIELD)
+                                    or not 0 < timeout <= MAX_SECONDS):
+            raise InvalidTask(f"prefetch timeout must be a positive number of seconds, at most "
+                              f"{MAX_SECONDS:.0f} (a year), or None, got {timeout!r:.60}",
+                              ErrorCode.BAD_FIELD)
         if pol is PrefetchPolicy.TIMEOUT and timeout is None:
             raise InvalidTask("prefetch policy 'timeout' needs timeout=SECONDS",
                               ErrorCode.BAD_FIELD)
         if pol is PrefetchPolicy.WAIT_COMPLETE and timeout is not None:
             raise InvalidTask("prefetch policy 'wait_complete' takes no timeout (use "
                               "policy='timeout' or 'best_effort')", ErrorCode.BAD_FIELD)
-        if isinstance(min_blocks, bool) or not isinstance(min_blocks, int) or min_blocks < 0:
-            raise InvalidTask(f"min_blocks must be a non-negative int, got {min_blocks!r:.60}",
-                              ErrorCode.BAD_FIELD)
+        if (isinstance(min_blocks, bool) or not isinstance(min_blocks, int)
+                or not 0 <= min_blocks < ID_LIMIT):
+            raise InvalidTask(f"min_blocks must be a non-negative int below 2**63, got "
+                              f"{min_blocks!r:.60}", ErrorCode.BAD_FIELD)
         return cls(pol, None if timeout is None else float(timeout), min_blocks)
 
     @classmethod

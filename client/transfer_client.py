@@ -39,7 +39,6 @@ import collections
 import heapq
 import itertools
 import logging
-import math
 import os
 import secrets
 import select
@@ -66,6 +65,7 @@ from kvswap.client.naming import Names, tcp_endpoints
 from kvswap.client.protocol import (
     CID_LIMIT,
     MAX_BATCH_TASKS,
+    MAX_SECONDS,
     BatchItem,
     Message,
     Op,
@@ -78,6 +78,7 @@ from kvswap.client.protocol import (
     check_int,
     check_model_version,
     check_priority,
+    check_seconds,
     request_header,
     storage_message,
     transfer_message,
@@ -99,20 +100,6 @@ _NO_BOUND = int(np.iinfo(np.int64).max)  # block limits before every rank publis
 WINDOW = 384
 BATCH_CHUNK = min(MAX_BATCH_TASKS, 128)
 _HEAP_SLACK = 1024  # stale deadline entries always tolerated (see _compact_deadlines)
-
-
-def _seconds(value: Any, what: str, positive: bool) -> float:
-    """A finite number of seconds (> 0 if ``positive``, else >= 0)."""
-    if (isinstance(value, (bool, np.bool_))
-            or not isinstance(value, (int, float, np.integer, np.floating))):
-        raise InvalidTask(f"{what} must be a number of seconds, got {type(value).__name__} "
-                          f"{value!r:.60}", ErrorCode.BAD_FIELD)
-    v = float(value)
-    if not math.isfinite(v) or v < 0 or (positive and v == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise InvalidTask(f"{what} must be finite and {bound} seconds, got {v}",
-                          ErrorCode.BAD_FIELD)
-    return v
 
 
 @dataclass(frozen=True)
@@ -288,7 +275,7 @@ class TransferFuture:
             while not self._wait(max(0.0, self.deadline - time.monotonic()) + 1.0):
                 if time.monotonic() >= self.deadline + 1.0:
                     self._raise_timeout(time.monotonic() - t0)
-        elif not self._wait(_seconds(timeout, "timeout", positive=False)):
+        elif not self._wait(check_seconds(timeout, "timeout", positive=False)):
             self._raise_timeout(timeout)
         if self._error is not None:
             raise self._error
@@ -756,7 +743,7 @@ class TransferClient:
         and the only choice with ``tcp``) uses ZeroMQ alone.  A rank whose rings are
         owned by another client, or whose daemon has none, is served over ZeroMQ."""
         tp_size = check_int(tp_size, "tp_size", 1, sys.maxsize)
-        task_timeout = _seconds(task_timeout, "task_timeout", positive=True)
+        task_timeout = check_seconds(task_timeout, "task_timeout", positive=True, most=MAX_SECONDS)
         if path is None:
             path = "zmq" if tcp is not None else "ring"
         if path not in (p.value for p in PathChoice):
@@ -829,7 +816,7 @@ class TransferClient:
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Block until every rank is READY, or raise :class:`RankTimeout` naming each
         rank that is not, with its state and log file."""
-        timeout = _seconds(timeout, "timeout", positive=False)
+        timeout = check_seconds(timeout, "timeout", positive=False)
         self._check_open()
 
         def ready(r: int) -> bool:
@@ -851,6 +838,11 @@ class TransferClient:
         if dev and host:
             return dev, host
         return _NO_BOUND, _NO_BOUND
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called: every later call is refused."""
+        return self._closed
 
     def _check_open(self) -> None:
         if self._closed:

@@ -22,7 +22,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvswap.client import CacheTensor, CacheWorker, ErrorCode, TransferClient
 from kvswap.client.auth import sign, verify
-from kvswap.client.errors import InvalidTask, NotReady, RankTimeout
+from kvswap.client.errors import InvalidTask, KvswapError, NotReady, RankTimeout
 from kvswap.client.protocol import (
     MAX_FRAMES,
     Op,
@@ -387,3 +387,44 @@ def test_more_storage_keys_than_host_blocks_are_refused():
             validate_storage(op, host, 65, 64)
         assert ei.value.code == ErrorCode.MESSAGE_TOO_LARGE and "split" in ei.value.message
     validate_storage(Op.EXISTS, None, 64, 64)
+
+
+def test_a_cache_worker_refuses_bad_arguments_before_anything_happens(namespaces):
+    """A heartbeat interval the heartbeat thread cannot use (it died, the launcher later
+    tore the namespace down), a register timeout found bad only after the register was
+    sent, an object dtype whose segment was created before numpy refused it, an
+    allocation after close: each refused in the caller, naming the argument, with no
+    segment made and nothing sent."""
+    launcher = namespaces.launch(tp=1, demo_caches=None, host_blocks=HOST_BLOCKS, wait=False)
+    names = launcher.names
+    ns, root = names.namespace, str(names.run_root)
+
+    def devices() -> list[str]:
+        return [s for s in names.owned_shm() if ".dev." in s]
+
+    for kw, match in (({"heartbeat_interval_s": "0.5"}, "heartbeat_interval_s must be a number"),
+                      ({"heartbeat_interval_s": None}, "heartbeat_interval_s must be a number"),
+                      ({"heartbeat_interval_s": 0}, "heartbeat_interval_s must be finite and > 0"),
+                      ({"heartbeat_interval_s": 1e-6}, "at least 0.001"),
+                      ({"rank": "0"}, "rank must be an int")):
+        with pytest.raises(InvalidTask, match=match):
+            CacheWorker(ns, **{"rank": 0, **kw}, run_root=root)
+    with CacheWorker(ns, 0, run_root=root) as worker:
+        for shape, dtype, match in (((4, 8), object, "dtype object cannot live in shared memory"),
+                                    (16, "uint8", "shape must be a non-empty sequence"),
+                                    ((16.7, 8), "uint8", r"shape\[0\] must be an int"),
+                                    ((2**41, 2**41), "uint8", r"shape\[0\] 2199023255552 is out"),
+                                    ((4, 8), "no-such-dtype", "is not a numpy dtype")):
+            with pytest.raises(InvalidTask, match=match):
+                worker.alloc_host_tensor("k0", shape, dtype)
+        assert devices() == []
+        arr = worker.alloc_host_tensor("k0", (32, 8), "uint8")  # the name is still free
+        with pytest.raises(InvalidTask, match="timeout must be a number"):
+            worker.register([CacheTensor("k0", 0, arr)], timeout="10")
+        with pytest.raises(InvalidTask, match="tensors must be a list of CacheTensor"):
+            worker.register(CacheTensor("k0", 0, arr))
+        assert next(worker._ids) == 1  # no request was sent: ids count from 1
+        assert launcher.seg.ranks[0, RankSlot.CACHE_READY] == 0
+    with pytest.raises(KvswapError, match="CacheWorker is closed"):
+        worker.alloc_host_tensor("k1", (32, 8), "uint8")
+    assert devices() == []

@@ -105,6 +105,16 @@ def test_every_bad_argument_raises_in_the_caller_and_sends_nothing(namespaces):
         (lambda: TransferClient(launcher.names.namespace, 2, run_root=str(
             launcher.names.run_root), task_timeout=0), "task_timeout must be finite and > 0"),
         (lambda: TransferClient(launcher.names.namespace, True), "tp_size must be an int"),
+        (lambda: TransferClient(launcher.names.namespace, 2, run_root=str(
+            launcher.names.run_root), task_timeout=1e12), "task_timeout .* at most 31622400"),
+        (lambda: client.backup(None, [KEY]), "backup needs host_blocks"),
+        (lambda: client.prefetch([KEY], None), "prefetch needs host_blocks"),
+        (lambda: client.prefetch([KEY], [1], min_blocks=2**64), r"below 2\*\*63"),
+        (lambda: client.prefetch([KEY], [1], policy="timeout", timeout=1e300),
+         "prefetch timeout must be a positive number of seconds, at most"),
+        (lambda: client.receive_into([1], ttl_s=1e12), "ttl_s .* at most 31622400"),
+        (lambda: client.send_to(b"not a ticket", [1], secret="s3cret"),
+         "secret must be non-empty bytes"),
     ]
     try:
         for call, match in cases:

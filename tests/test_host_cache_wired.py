@@ -156,6 +156,34 @@ def test_bad_wired_calls_are_refused_with_nothing_changed(system):
     with pytest.raises(ValueError, match="was not prepared"):
         cache.fetch(client, [1], [5], prepared=True)
     assert cache.stats()["protected"] == 0
+    before = cache.stats()
+    with pytest.raises(KvswapError) as ei:  # a load writes each device block once
+        cache.fetch(client, [1, 2], [5, 5])
+    assert ei.value.code == ErrorCode.DUPLICATE_DESTINATION
+    too_big = HostCache(HOST + 1)  # its block HOST is past the namespace's host pools
+    with pytest.raises(KvswapError, match=f"HostCache\\({HOST}, ...\\)") as ei:
+        too_big.offload(client, [7], [3])
+    assert ei.value.code == ErrorCode.ID_OUT_OF_RANGE and too_big.stats()["used"] == 0
+    assert cache.stats() == before
+
+
+def test_calls_with_a_closed_client_are_refused_with_nothing_changed(system):
+    """With a closed client a wired call used to fail inside (an AttributeError from
+    the closed signal segment) or, for a prefetch, after evicting for room."""
+    launcher, _, _ = system
+    cache = HostCache(2)
+    other = TransferClient(launcher.names.namespace, 2, run_root=str(launcher.names.run_root))
+    other.wait_ready(20)
+    cache.offload(other, [1, 2], [0, 1]).result()  # full: a prefetch would evict
+    other.close()
+    before = cache.stats()
+    for call in (lambda: cache.offload(other, [3], [2]),
+                 lambda: cache.fetch(other, [1], [4]),
+                 lambda: cache.prefetch(other, [5])):
+        with pytest.raises(KvswapError, match="TransferClient is closed") as ei:
+            call()
+        assert ei.value.code == ErrorCode.SHUTTING_DOWN
+    assert cache.stats() == before and cache.lookup([1, 2]) == 2
 
 
 def test_fetch_of_prepared_blocks_loads_them_and_ends_their_protection(system):

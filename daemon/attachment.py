@@ -299,6 +299,13 @@ class Registrar:
                                for i, t in enumerate(tensors)),
             entries=entries)
         self._slot.current = att  # published: from here on the caches are attached
+        if rank.stopping.is_set():
+            # The stop began while this attach ran, so Lifecycle.begin_stop found no
+            # scheduler to stop, and nothing else would end these workers: the daemon
+            # would wait for them in STOPPING for ever.  (It set ``stopping`` before
+            # it looked, so one of the two stops them.)  No task can be in them: a
+            # stopping rank admits none.
+            att.scheduler.stop()
         sig[RankSlot.NUM_DEVICE_BLOCKS] = att.num_device_blocks
         sig[RankSlot.NUM_HOST_BLOCKS] = att.num_host_blocks
         sig[RankSlot.SWAP_BYTES_TOTAL] = swap.nbytes

@@ -353,6 +353,25 @@ def test_a_relaunch_while_a_dead_launchers_daemons_still_run_is_refused(run_root
         sweep_namespace(names)
 
 
+def test_a_daemon_stopped_while_it_attaches_exits_cleanly(namespaces):
+    """A stop that began while the control thread attached (here its own demo caches
+    and a 1 GiB pool) found no scheduler to stop; the attachment published next
+    started workers that nothing ended, and the daemon waited for them in STOPPING
+    until the launcher's SIGKILL.  Now it stops them and exits 0."""
+    launcher = namespaces.launch(tp=1, demo_caches="layers=8,block_tokens=16,heads=1,"
+                                 "head_dim=128,dtype=float16,blocks=64", host_blocks=16384,
+                                 wait=False)
+    ring = f"{launcher.names.prefix}ring.r0"
+    assert poll_until(lambda: True if ring in os.listdir("/dev/shm") else None,
+                      time.monotonic() + 30)  # bound: the attach has begun
+    daemon = launcher.procs[0]
+    daemon.send_signal(signal.SIGTERM)
+    assert daemon.wait(20) == 0
+    log = launcher.names.log_path(0, launcher.log_dir).read_text()
+    # the stop came first, so this exercised the stop-during-attach path
+    assert log.index("stopping: signal SIGTERM") < log.index("attached 16 tensors")
+
+
 # ------------------------------------------------------------------ pause / clear / restore
 
 def test_pause_drains_then_refuses_and_resume_reverses(namespaces):

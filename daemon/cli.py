@@ -292,15 +292,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 1
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     target = args if args.make_config is None else args.make_config(args)
+    if args.cmd in ("demo", "bench"):
+        # They launch throw-away namespaces (and servers, temporary directories) and
+        # remove them in finally blocks: SIGTERM must run those, as Ctrl-C does,
+        # rather than end the process where it stands and leave everything behind.
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         return {"launch": cmd_launch, "status": cmd_status, "demo": cmd_demo,
                 "bench": cmd_bench, "metrics": cmd_metrics}[args.cmd](target)
     except ValueError as exc:
         print(f"kvswap {args.cmd}: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        if args.cmd not in ("demo", "bench"):
+            raise
+        print(f"kvswap {args.cmd}: interrupted ({exc or 'SIGINT'}); cleaned up",
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import pytest
 
 from kvswap.client import TransferClient
 from kvswap.client.monitor import format_table, read_status, transfer_rates
+from kvswap.client.signals import poll_until
 from kvswap.daemon import bench
 from kvswap.daemon.cli import build_parser
 
@@ -363,3 +364,42 @@ def test_status_table_has_rate_columns_only_when_watching():
     later = format_table(st, {0: (1.234, 0.001)}).splitlines()
     assert later[2].split()[-3:] == ["1.23", "<0.01", "-"]
     assert plain[2].split()[:-1] == later[2].split()[:-3]  # the other columns are the same
+
+
+def _of_namespace(prefix: str) -> list[str]:
+    """Shared-memory objects, and live processes whose command line names a namespace,
+    that start with ``prefix``."""
+    left = [n for n in os.listdir("/dev/shm") if n.startswith("kvswap." + prefix)
+            or n.startswith("sem.kvswap." + prefix)]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.startswith(b"--namespace=" + prefix.encode()) for a in args):
+            left.append(f"pid {pid}")
+    return left
+
+
+def test_a_bench_ended_by_sigterm_removes_what_it_launched():
+    """SIGTERM used to end `kvswap bench` where it stood: its throw-away namespace's
+    daemons, segments and run dir stayed, under a name nobody launches again.  Now it
+    ends as on Ctrl-C, through the clean-ups."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvswap.daemon.cli", "bench", "tasks",
+                             "--json"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    prefix = f"bench-{proc.pid}-"
+    try:
+        # the daemons are serving once their rings exist
+        assert poll_until(lambda: True if any(".ring.r0" in n for n in _of_namespace(prefix))
+                          else None, time.monotonic() + 60), "the bench's namespace never started"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 130
+        assert "interrupted (SIGTERM); cleaned up" in proc.stderr.read()
+        assert _of_namespace(prefix) == []
+        assert not list(Path("/tmp").glob(f"kvb-*/{prefix}*"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()

@@ -442,20 +442,30 @@ class Launcher:
         self._stopped = True
         t0 = time.monotonic()
         budget = self.cfg.stop_timeout_s
-        alive = [r for r, p in enumerate(self.procs) if p.poll() is None]
-        if alive:
-            self._send_shutdown(alive)
-            alive = self._wait_exit(t0 + 0.5 * budget)
-        if alive:
-            log.warning("rank(s) %s ignored shutdown; sending SIGTERM", alive)
-            for r in alive:
-                self.procs[r].send_signal(signal.SIGTERM)
-            alive = self._wait_exit(t0 + 0.8 * budget)
-        if alive:
-            log.error("rank(s) %s ignored SIGTERM; sending SIGKILL", alive)
-            for r in alive:
-                self.procs[r].kill()
-            alive = self._wait_exit(t0 + budget + 5.0)
+        try:
+            alive = [r for r, p in enumerate(self.procs) if p.poll() is None]
+            if alive:
+                self._send_shutdown(alive)
+                alive = self._wait_exit(t0 + 0.5 * budget)
+            if alive:
+                log.warning("rank(s) %s ignored shutdown; sending SIGTERM", alive)
+                for r in alive:
+                    self.procs[r].send_signal(signal.SIGTERM)
+                alive = self._wait_exit(t0 + 0.8 * budget)
+        finally:
+            # Also when the staged stop was interrupted (a second Ctrl-C or SIGTERM):
+            # a later stop() returns at once, so this one must finish the job.
+            alive = [r for r, p in enumerate(self.procs) if p.poll() is None]
+            if alive:
+                log.error("rank(s) %s still running; sending SIGKILL", alive)
+                for r in alive:
+                    self.procs[r].kill()
+                self._wait_exit(t0 + budget + 5.0)
+            self._remove(t0)
+
+    def _remove(self, t0: float) -> None:
+        """Remove the namespace once its daemons are gone (the end of :meth:`stop`)."""
+        assert self.seg is not None
         for r, p in enumerate(self.procs):
             if p.returncode not in (0, None):
                 log.warning("rank %d exited with status %s", r, p.returncode)

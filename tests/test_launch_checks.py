@@ -449,3 +449,22 @@ def test_populating_changes_no_byte(namespaces, advice):
     finally:
         region.unlink()
         region.close()
+
+
+def test_a_stop_interrupted_midway_still_ends_the_daemons_and_removes_the_namespace(
+        namespaces, monkeypatch):
+    """stop() marked itself done before it began, so a Ctrl-C (or SIGTERM, in kvswap
+    bench) during its staged stop left the daemons running and the namespace in
+    place, and a second stop() returned at once.  Now the interrupted stop kills
+    what is still running and removes the namespace on its way out."""
+    launcher = namespaces.launch(tp=2, demo_caches=SMALL_LAYOUT)
+    names = launcher.names
+
+    def interrupted(ranks):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launcher, "_send_shutdown", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        launcher.stop()
+    assert [p.poll() for p in launcher.procs] == [-9, -9]
+    assert names.owned_shm() == [] and not names.run_dir.exists()

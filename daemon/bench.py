@@ -699,7 +699,11 @@ class _MooncakeRef:
                 raise BenchError("--mooncake auto needs mooncake_master: pip install "
                                  "'kvswap[mooncake]'")
             self.master = MooncakeMaster(binary)
-            self.master.start()
+            try:
+                self.master.start()
+            except BaseException:
+                self.master.close()  # its directory (and the process, if it runs)
+                raise
             self.url = self.master.url(segment="0", timeout_s=30)
         else:
             self.url = spec

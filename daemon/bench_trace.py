@@ -360,18 +360,20 @@ def replay_daemons(requests: Sequence[TraceRequest], setup: ReplaySetup,
     root = tempfile.mkdtemp(prefix="kvt-", dir="/tmp") if own_root else run_root
     store_dir = None
     url = setup.storage
-    if url == "auto":
-        store_dir = tempfile.mkdtemp(prefix="kvt-store-", dir="/tmp")
-        url = f"file://{store_dir}"
-    launcher = Launcher(LaunchConfig(
-        namespace=namespace or f"trace-{os.getpid()}-{time.monotonic_ns() % 10**6}",
-        tp=setup.tp,
-        run_root=root, demo_caches=layout, host_blocks=setup.host_blocks, storage_url=url,
-        model_id="bench-trace", log_level="WARNING", ready_timeout_s=60.0))
     counts = ReplayCounts("daemons", setup.policy)
     views: list[RankView] = []
     client = None
-    try:
+    launcher = None
+    try:  # from the first directory made: everything below is removed on the way out
+        if url == "auto":
+            store_dir = tempfile.mkdtemp(prefix="kvt-store-", dir="/tmp")
+            url = f"file://{store_dir}"
+        launcher = Launcher(LaunchConfig(
+            namespace=namespace or f"trace-{os.getpid()}-{time.monotonic_ns() % 10**6}",
+            tp=setup.tp,
+            run_root=root, demo_caches=layout, host_blocks=setup.host_blocks,
+            storage_url=url, model_id="bench-trace", log_level="WARNING",
+            ready_timeout_s=60.0))
         launcher.start()
         launcher.wait_ready()
         views = [RankView(launcher.names, r, tensors, setup.host_blocks) for r in range(setup.tp)]
@@ -386,7 +388,8 @@ def replay_daemons(requests: Sequence[TraceRequest], setup: ReplaySetup,
             client.close()
         for v in views:
             v.close()
-        launcher.stop()
+        if launcher is not None:
+            launcher.stop()
         if store_dir is not None:
             shutil.rmtree(store_dir, ignore_errors=True)
         if own_root:

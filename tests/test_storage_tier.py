@@ -258,3 +258,22 @@ def test_running_prefetch_can_be_cancelled(namespaces, tmp_path):
         assert client.evict([3], [3]).result().replies[0].ok
     finally:
         client.close()
+
+
+def test_a_server_interrupted_while_it_starts_does_not_outlive_the_caller(redis_server):
+    """Ctrl-C while a throw-away server started (the bench's, a test's) left the
+    process running: nothing held it any more."""
+    from kvswap.daemon.storage.local_servers import RedisServer
+
+    server = RedisServer(redis_server.binary)
+
+    def interrupted() -> bool:
+        raise KeyboardInterrupt
+
+    server.answers = interrupted  # the first look at whether it answers
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            server.start()
+        assert not server.running
+    finally:
+        server.close()

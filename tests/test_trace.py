@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import tempfile
 
 import pytest
 
@@ -15,6 +17,7 @@ from kvswap.daemon.bench_trace import (
     ReplaySetup,
     cycle_requests,
     replay_bookkeeping,
+    replay_daemons,
     run_cycle,
 )
 from kvswap.daemon.cli import main
@@ -193,3 +196,19 @@ def test_bench_plots_are_png_files(tmp_path, capsys, argv):
     path = tmp_path / "out.png"
     assert main(["bench", *argv, "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_replay_refused_at_launch_leaves_no_directory(monkeypatch, tmp_path):
+    """The run root and the store were made before the namespace's configuration was
+    checked, outside the clean-up: a bad setup left both in /tmp."""
+    made: list[str] = []
+    real = tempfile.mkdtemp
+
+    def mkdtemp(*args, **kw):
+        made.append(real(*args, **{**kw, "dir": str(tmp_path)}))
+        return made[-1]
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    with pytest.raises(ValueError, match="tp"):
+        replay_daemons([], ReplaySetup(48, 64, "lru", 0, "auto"))
+    assert len(made) == 2 and not any(os.path.exists(d) for d in made)

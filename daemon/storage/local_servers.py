@@ -66,13 +66,17 @@ class ServerProcess(abc.ABC):
             self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, cwd=self.dir)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: "
-                                   f"{self.log()[-2000:]}")
-            if self.answers():
-                return
-            time.sleep(0.05)
+        try:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: "
+                                       f"{self.log()[-2000:]}")
+                if self.answers():
+                    return
+                time.sleep(0.05)
+        except BaseException:  # Ctrl-C while it starts: it must not outlive the caller
+            self.stop()
+            raise
         self.stop()
         raise RuntimeError(f"{self.name} did not answer within {timeout:g} s: "
                            f"{self.log()[-2000:]}")

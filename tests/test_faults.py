@@ -276,19 +276,27 @@ def test_dead_engine_tears_down_everything(run_root):
         sweep_namespace(names)
 
 
+def _launch_ready(names: Names, tp: int, orphan_timeout: str) -> subprocess.Popen:
+    """`kvswap launch` of ``names`` as a process of its own (a test may kill it),
+    returned once it printed READY."""
+    launch = subprocess.Popen([sys.executable, "-m", "kvswap.daemon.cli", "launch", "--namespace",
+                               names.namespace, "--run-root", str(names.run_root), "--tp",
+                               str(tp), "--demo-caches", LAYOUT, "--host-blocks", "8",
+                               "--orphan-timeout", orphan_timeout],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert launch.stdout is not None
+    for line in launch.stdout:  # progress lines, then "... READY on N rank(s)"
+        if "READY on" in line:
+            return launch
+    launch.wait(10)
+    pytest.fail("kvswap launch exited before READY")
+
+
 def test_orphaned_daemons_exit_cleanly(run_root):
     names = Names.of(f"orph{os.getpid()}", run_root)
-    launch = subprocess.Popen([sys.executable, "-m", "kvswap.daemon.cli", "launch", "--namespace",
-                               names.namespace, "--run-root", run_root, "--tp", "2", "--demo-caches",
-                               f"{LAYOUT}", "--host-blocks", "8",
-                               "--orphan-timeout", "1"],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    launch = None
     try:
-        for line in launch.stdout:  # progress lines, then "... READY on 2 rank(s)"
-            if "READY on" in line:
-                break
-        else:
-            pytest.fail("kvswap launch exited before READY")
+        launch = _launch_ready(names, 2, "1")
         seg = SignalSegment.attach(names, readonly=True)
         pids = [int(seg.ranks[r, RankSlot.PID]) for r in range(2)]
         os.kill(launch.pid, signal.SIGKILL)
@@ -307,7 +315,7 @@ def test_orphaned_daemons_exit_cleanly(run_root):
         left = names.owned_shm()
         assert not [e for e in left if ".swap." in e or ".dev." in e]
     finally:
-        if launch.poll() is None:
+        if launch is not None and launch.poll() is None:
             launch.kill()
         sweep_namespace(names)
 
@@ -318,18 +326,9 @@ def test_a_relaunch_while_a_dead_launchers_daemons_still_run_is_refused(run_root
     stopped, they would unlink the new incarnation's segments, which reuse their
     names): it is refused, naming their pids, and changes nothing."""
     names = Names.of(f"relaunch{os.getpid()}", run_root)
-    launch = subprocess.Popen([sys.executable, "-m", "kvswap.daemon.cli", "launch", "--namespace",
-                               names.namespace, "--run-root", run_root, "--tp", "1",
-                               "--demo-caches", LAYOUT, "--host-blocks", "8",
-                               "--orphan-timeout", "120"],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    pid = None
+    launch, pid = None, None
     try:
-        for line in launch.stdout:  # progress lines, then "... READY on 1 rank(s)"
-            if "READY on" in line:
-                break
-        else:
-            pytest.fail("kvswap launch exited before READY")
+        launch = _launch_ready(names, 1, "120")
         seg = SignalSegment.attach(names)
         seg.header[HeaderSlot.ENGINE_HEARTBEAT_NS] = now_ns()  # an engine that still beats
         pid = int(seg.ranks[0, RankSlot.PID])
@@ -345,7 +344,7 @@ def test_a_relaunch_while_a_dead_launchers_daemons_still_run_is_refused(run_root
         assert pid_alive(pid) and seg.state_of(0) == RankState.READY
         seg.close()
     finally:
-        if launch.poll() is None:
+        if launch is not None and launch.poll() is None:
             launch.kill()
         if pid is not None and pid_alive(pid):
             os.kill(pid, signal.SIGTERM)

@@ -1076,8 +1076,9 @@ class TransferClient:
             raise InvalidTask(f"{where}expected a TransferSpec (TransferSpec.evict(...) or "
                               f".load(...)), got {type(spec).__name__}", ErrorCode.BAD_FIELD)
         if not isinstance(spec.op, Op) or spec.op not in (Op.EVICT, Op.LOAD):
-            raise InvalidTask(f"{where}op must be evict or load, got {spec.op!r:.40}",
-                              ErrorCode.BAD_FIELD)
+            raise InvalidTask(f"{where}op must be Op.EVICT or Op.LOAD (build it with "
+                              f"TransferSpec.evict(...) or .load(...)), got "
+                              f"{type(spec.op).__name__} {spec.op!r:.40}", ErrorCode.BAD_FIELD)
         return self._check_transfer(spec.op, spec.device_blocks, spec.host_blocks,
                                     spec.priority, spec.layerwise, limits, where)
 

@@ -170,17 +170,18 @@ class Heartbeat:
             rank.sig[RankSlot.HEARTBEAT_NS] = now_ns()
             self._trimmer.maybe()
             now = time.monotonic()
-            if rank.stopping.is_set():
-                if stop_seen is None:
-                    stop_seen = now
-                elif now - stop_seen > rank.cfg.drain_timeout_s:
+            if stop_seen is not None:
+                if now - stop_seen > rank.cfg.drain_timeout_s:
                     self._abandon(now - stop_seen)
+            elif rank.stopping.is_set():
+                stop_seen = now
             elif now >= next_orphan_check:
                 next_orphan_check = now + 1.0
                 why = rank.orphaned()
                 if why:
                     log.warning("orphaned: %s; exiting", why)
                     os.kill(os.getpid(), signal.SIGTERM)  # the normal, clean stop path
+                    stop_seen = now  # sent once; due even if the I/O thread never gets it
             self._stop.wait(rank.cfg.heartbeat_interval_s)
 
     def _abandon(self, waited: float) -> NoReturn:

@@ -326,7 +326,7 @@ def test_a_relaunch_while_a_dead_launchers_daemons_still_run_is_refused(run_root
     stopped, they would unlink the new incarnation's segments, which reuse their
     names): it is refused, naming their pids, and changes nothing."""
     names = Names.of(f"relaunch{os.getpid()}", run_root)
-    launch, pid = None, None
+    launch, pid, seg = None, None, None
     try:
         launch = _launch_ready(names, 1, "120")
         seg = SignalSegment.attach(names)
@@ -342,8 +342,9 @@ def test_a_relaunch_while_a_dead_launchers_daemons_still_run_is_refused(run_root
         assert f"rank 0 pid {pid}" in str(ei.value) and "launcher" in str(ei.value)
         assert sorted(names.owned_shm()) == before  # nothing swept
         assert pid_alive(pid) and seg.state_of(0) == RankState.READY
-        seg.close()
     finally:
+        if seg is not None:
+            seg.close()
         if launch is not None and launch.poll() is None:
             launch.kill()
         if pid is not None and pid_alive(pid):

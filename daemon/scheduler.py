@@ -131,6 +131,7 @@ class Scheduler:
         # One condition per lane on the one lock: a task made ready wakes one worker of
         # its lane, not every worker of every lane (each woken thread costs the GIL).
         self._wake = {lane: threading.Condition(self._lock) for lane in LANES}
+        self._wake_of = {op: self._wake[lane] for lane, ops in LANES.items() for op in ops}
         self._stopping = False
         self.merged_batches = 0  # under the lock: batches of several tasks finished
         self._threads = [
@@ -253,7 +254,7 @@ class Scheduler:
         heapq.heappush(self._ready[task.op], (task.sort_key(), task))
         # One worker of the lane: it takes this task (and, merging, others ready); a
         # worker that is busy looks at the heaps again before it waits.
-        self._wake[OPS[task.op].lane.value].notify()
+        self._wake_of[task.op].notify()
 
     def _release(self, task: Task) -> None:
         """``task`` is finished or cancelled: forget it and wake its dependents."""

@@ -103,7 +103,9 @@ class HostPlanCopier:
             half = len(bpb) // 2
             other = self._helper.submit(copy_runs, src[half:], dst[half:], bpb[half:], *runs)
             copied = copy_runs(src[:half], dst[:half], bpb[:half], *runs)
-            if other.cancel():  # the helper is busy with another worker's half: not worth
-                return copied + copy_runs(src[half:], dst[half:], bpb[half:], *runs)  # the wait
+            if other.cancel():
+                # Not started: the helper is busy with another worker's half, and copying
+                # this one here is sooner than waiting for it.
+                return copied + copy_runs(src[half:], dst[half:], bpb[half:], *runs)
             return copied + other.result()
         return copy_runs(src, dst, bpb, *runs)

@@ -48,7 +48,11 @@ LAYOUT_VERSION = 1
 SLOTS = 32
 SIZE = SLOTS * 8
 POLICY_CODES = {"lru": 0, "arc": 1}
-_READ_TRIES = 100
+# A writer preempted mid-update (seq odd) resumes within a scheduler time slice or a
+# few; one that died there never does.  A count of tries instead of a time bound gave
+# up after about 10 ms, which a busy 2-core machine exceeds (measured: a status read
+# showed no host tier while the publisher ran).
+READ_PATIENCE_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -158,13 +162,15 @@ def _consistent_copy(region: ShmRegion) -> np.ndarray | None:
     live = region.array(0, (SLOTS,), "<u8")
     if int(live[0]) != MAGIC or int(live[1]) != LAYOUT_VERSION:
         return None
-    for _ in range(_READ_TRIES):
+    deadline = time.monotonic() + READ_PATIENCE_S
+    while True:
         before = int(live[2])
         copy = live.copy()
         if before % 2 == 0 and int(live[2]) == before:
             return copy
+        if time.monotonic() >= deadline:
+            return None  # a writer that died mid-update (seq stays odd): nothing reliable
         time.sleep(0.0001)
-    return None  # a writer that died mid-update (seq stays odd): nothing reliable
 
 
 def _owner(names: Names) -> int | None:

@@ -361,9 +361,16 @@ def test_a_daemon_stopped_while_it_attaches_exits_cleanly(namespaces):
     launcher = namespaces.launch(tp=1, demo_caches="layers=8,block_tokens=16,heads=1,"
                                  "head_dim=128,dtype=float16,blocks=64", host_blocks=16384,
                                  wait=False)
-    ring = f"{launcher.names.prefix}ring.r0"
-    assert poll_until(lambda: True if ring in os.listdir("/dev/shm") else None,
-                      time.monotonic() + 30)  # bound: the attach has begun
+    slots = launcher.seg.ranks
+
+    def populating() -> bool | None:
+        # the control thread states the pool's size as the attach begins, then reports
+        # it populated 256 MiB at a time: between the two, the attach runs.  (The ring
+        # files appear before the attach begins: a stop then skips the attach.)
+        total = int(slots[0, RankSlot.SWAP_BYTES_TOTAL])
+        return True if 0 < total and int(slots[0, RankSlot.SWAP_BYTES_PINNED]) < total else None
+
+    assert poll_until(populating, time.monotonic() + 30, max_sleep=0.001)
     daemon = launcher.procs[0]
     daemon.send_signal(signal.SIGTERM)
     assert daemon.wait(20) == 0

@@ -17,7 +17,7 @@ import pytest
 from kvswap.client import ErrorCode, HostCache, KvswapError, NamespaceError, TransferClient
 from kvswap.client import TransferFailed
 from kvswap.client.block_keys import entry_name, model_fingerprint, storage_key
-from kvswap.client.host_cache_stats import FIELDS, SLOTS, read_host_cache
+from kvswap.client.host_cache_stats import FIELDS, READ_PATIENCE_S, SLOTS, read_host_cache
 from kvswap.client.layout import TensorDesc, demo_layout, layout_hash
 from kvswap.client.monitor import format_table, read_status
 from kvswap.daemon.bench_trace import ReplaySetup, replay_bookkeeping, replay_daemons
@@ -339,6 +339,28 @@ def test_publishing_is_throttled_to_the_interval(system):
         cache.close()
 
 
+def test_a_reader_waits_out_a_paused_update_but_not_a_dead_one(system):
+    """The sequence lock's reader retries for READ_PATIENCE_S: an update left half-done
+    (seq odd, as by a writer that died there) reads as nothing, never as a mixed copy;
+    once the update completes, the next read sees it."""
+    launcher, _, _ = system
+    cache = HostCache(4)
+    cache.publish(launcher.names.namespace, str(launcher.names.run_root), interval_s=3600)
+    try:
+        slots = cache._publisher._slots  # the writer's own view: what a crash would leave
+        slots[2] = int(slots[2]) + 1  # an update begun ...
+        slots[10] = 7  # ... half written: lookups without lookup_blocks
+        t0 = time.monotonic()
+        assert read_host_cache(launcher.names) is None
+        assert time.monotonic() - t0 >= READ_PATIENCE_S
+        slots[11] = 7
+        slots[2] = int(slots[2]) + 1  # ... and completed
+        st = read_host_cache(launcher.names)
+        assert st is not None and st["lookups"] == st["lookup_blocks"] == 7
+    finally:
+        cache.close()
+
+
 def test_a_dead_publishers_segment_is_taken_over_and_swept_with_the_namespace(namespaces):
     launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=HOST)
     ns, root = launcher.names.namespace, str(launcher.names.run_root)
@@ -383,29 +405,41 @@ def test_signals_doc_draws_the_host_cache_segment_as_the_code_has_it():
 def test_readers_never_see_a_half_written_update(namespaces):
     """A publisher in another process updates as fast as it can while this one reads:
     every snapshot is one update (each lookup passes one hash, so the two counters
-    are always equal in a consistent copy)."""
+    are always equal in a consistent copy).  The publisher runs until this side has
+    seen 200 different updates, so how many reads overlap writes does not depend on
+    which process the machine runs faster."""
     launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=HOST)
     ns, root = launcher.names.namespace, str(launcher.names.run_root)
-    code = ("from kvswap.client import HostCache; c = HostCache(64); "
-            f"c.publish({ns!r}, {root!r}, interval_s=0); print('up', flush=True)\n"
-            "for k in range(60000): c.lookup([k])\n"
-            "c.close()")
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    reads = 0
+    code = ("import sys, threading\n"
+            "from kvswap.client import HostCache\n"
+            "c = HostCache(64)\n"
+            f"c.publish({ns!r}, {root!r}, interval_s=0)\n"
+            "done = threading.Event()\n"
+            "threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()\n"
+            "print('up', flush=True)\n"
+            "k = 0\n"
+            "while not done.is_set():\n"
+            "    c.lookup([k]); k += 1\n"
+            "c.close()\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    seen: set[int] = set()
     try:
         assert child.stdout.readline().strip() == "up"
         deadline = time.monotonic() + 60
-        while child.poll() is None and time.monotonic() < deadline:
+        while len(seen) < 200 and child.poll() is None and time.monotonic() < deadline:
             st = read_host_cache(launcher.names)
-            if st is None:
-                continue  # closed at the end
+            assert st is not None  # published until this side says stop
             assert st["lookups"] == st["lookup_blocks"], st
-            reads += 1
+            seen.add(st["lookups"])
+        child.stdin.close()  # stop: the publisher closes and exits
+        assert child.wait(20) == 0
     finally:
-        child.kill()
-        child.wait(10)
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
         child.stdout.close()
-    assert child.returncode == 0 and reads > 100
+    assert len(seen) >= 200
 
 
 # ------------------------------------------------------------------ persisted index

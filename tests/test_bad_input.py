@@ -10,9 +10,12 @@ attack within 2 s, and its peak memory stayed within a bound.
 from __future__ import annotations
 
 import resource
+import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -342,19 +345,45 @@ def test_register_repeated_after_it_succeeded_gets_the_same_reply(namespaces):
             assert client.evict([1], [2]).result(10).replies[0].ok
 
 
+class _Announcing:
+    """A worker's socket that sets ``sent`` once a message has gone to libzmq."""
+
+    def __init__(self, sock: zmq.Socket, sent: threading.Event):
+        self._sock, self._sent = sock, sent
+
+    def send_multipart(self, frames) -> None:
+        self._sock.send_multipart(frames)
+        self._sent.set()
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)
+
+
 def test_register_sent_again_while_the_first_runs_is_answered_when_it_ends(namespaces):
-    """The register times out on the worker while the daemon is still attaching (a
-    128 MiB host pool to populate); the worker sends it again at once.  The repeat
-    waits for the first and gets its reply."""
+    """The register times out on the worker while the daemon is still attaching; the
+    worker sends it again.  The repeat waits for the first and gets its reply.
+
+    The daemon is stopped (SIGSTOP) until both are sent, so it reads the repeat right
+    after the first, long before an attach of a 128 MiB host pool ends, however fast
+    this machine attaches."""
     blocks, block_bytes = 256, 128 << 10  # 2 x 32 MiB device tensors
     host_blocks = 512  # 2 x 64 MiB host pool
     launcher = namespaces.launch(tp=1, demo_caches=None, host_blocks=host_blocks, wait=False)
-    names = launcher.names
-    with CacheWorker(names.namespace, 0, run_root=str(names.run_root)) as worker:
+    names, daemon = launcher.names, launcher.procs[0]
+    with CacheWorker(names.namespace, 0, run_root=str(names.run_root)) as worker, \
+            ThreadPoolExecutor(1) as pool:
         tensors = _tensors(worker, blocks, block_bytes)
-        with pytest.raises(RankTimeout):
-            worker.register(tensors, timeout=0.005)
-        reply = worker.register(tensors, timeout=60)
+        daemon.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(RankTimeout):
+                worker.register(tensors, timeout=0.005)
+            sent = threading.Event()
+            worker._sock = _Announcing(worker._sock, sent)
+            repeat = pool.submit(worker.register, tensors, timeout=60)
+            assert sent.wait(10)
+        finally:
+            daemon.send_signal(signal.SIGCONT)
+        reply = repeat.result(70)
         assert reply.ok and reply.fields == {"num_device_blocks": blocks,
                                              "num_host_blocks": host_blocks,
                                              "host_pool_kept": False}

@@ -266,38 +266,80 @@ def _first_line(proc: subprocess.Popen, timeout: float = 15.0) -> str:
 WATCH_LAYOUT = "layers=1,block_tokens=16,heads=32,head_dim=128,blocks=64"  # 256 KiB a block
 
 
+class _Frames:
+    """The frames ``kvswap status --watch`` appends to a pipe, a blank line apart; read
+    from the raw descriptor, so no buffered byte is hidden from ``select``."""
+
+    def __init__(self, proc: subprocess.Popen):
+        assert proc.stdout is not None
+        self._fd = proc.stdout.fileno()
+        self.rest = b""  # read, not yet a whole frame
+
+    def next(self, timeout: float) -> str | None:
+        """The next whole frame, or None if none is complete within ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while b"\n\n" not in self.rest:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self._fd], [], [], left)[0]:
+                return None
+            chunk = os.read(self._fd, 1 << 16)
+            if not chunk:
+                return None
+            self.rest += chunk
+        frame, self.rest = self.rest.split(b"\n\n", 1)
+        return frame.decode()
+
+
+def _evict_rate(frame: str) -> str:
+    return frame.splitlines()[2].split()[-3]
+
+
 def test_metrics_and_status_watch_commands(namespaces):
+    """The watch shows no rate in its first frame, then a rate while evicts run.  The
+    evicts start after the first frame and go on until a frame shows their rate (30 s
+    at most), so how late the watch process starts does not matter."""
     pytest.importorskip("prometheus_client")
     launcher = namespaces.launch(tp=1, demo_caches=WATCH_LAYOUT)
     ns, root = launcher.names.namespace, namespaces.run_root
     exporter = subprocess.Popen(_cli("metrics", "--namespace", ns, "--run-root", root,
                                      "--port", "0"), stdout=subprocess.PIPE, text=True)
     watch = subprocess.Popen(_cli("status", "--namespace", ns, "--run-root", root, "--watch",
-                                  "--interval", "0.2"), stdout=subprocess.PIPE, text=True)
+                                  "--interval", "0.2"), stdout=subprocess.PIPE)
+    frames = _Frames(watch)
     try:
         line = _first_line(exporter)
         port = int(line.rsplit(":", 1)[1].split("/")[0])
         assert line.startswith(f"kvswap: serving metrics of namespace {ns} on http://127.0.0.1:")
+        first = frames.next(30)
+        assert first is not None, "no first frame from status --watch"
+        seen = [first]
+        evicts = 0
+        deadline = time.monotonic() + 30
         with TransferClient(ns, 1, run_root=root) as client:
-            for i in range(20):  # 2 MiB every 30 ms: a rate --watch shows as >= 0.01 GiB/s
-                client.evict(list(range(8)), list(range(8 * (i % 8), 8 * (i % 8) + 8))).result(10)
-                time.sleep(0.03)
+            while all(_evict_rate(f) in ("-", "0.00") for f in seen):
+                assert time.monotonic() < deadline, f"no frame showed a rate: {seen}"
+                i = evicts % 8  # 2 MiB an evict, a few every 0.2 s frame: >= 0.01 GiB/s
+                client.evict(list(range(8)), list(range(8 * i, 8 * i + 8))).result(10)
+                evicts += 1
+                frame = frames.next(0.03)
+                if frame is not None:
+                    seen.append(frame)
         sample = _scrape(port)
-        assert sample[("kvswap_rank_completed_total", (("namespace", ns), ("rank", "0")))] == 20
+        assert sample[("kvswap_rank_completed_total", (("namespace", ns), ("rank", "0")))] == evicts
     finally:
         for p in (exporter, watch):
             p.send_signal(signal.SIGINT)
         out, _ = watch.communicate(timeout=10)
         exporter.communicate(timeout=10)
     assert exporter.returncode == 0 and watch.returncode == 0
+    tail = (frames.rest + out).decode()
     # stdout is a pipe: frames are appended, a blank line apart, never redrawn
-    assert "\x1b" not in out
-    frames = [f for f in out.split("\n\n") if f.strip()]
-    assert len(frames) >= 2
-    assert all("evict GiB/s" in f and "load GiB/s" in f for f in frames)
-    # the first frame has no rate yet; later ones, taken while evicting, have numbers
-    assert frames[0].splitlines()[2].split()[-3:-1] == ["-", "-"]
-    assert any(f.splitlines()[2].split()[-3] not in ("-", "0.00") for f in frames[1:])
+    assert "\x1b" not in "".join(seen) + tail
+    shown = seen + [f for f in tail.split("\n\n") if f.strip()]
+    assert len(shown) >= 2
+    assert all("evict GiB/s" in f and "load GiB/s" in f for f in shown)
+    # the first frame, before any evict, has no rate yet
+    assert first.splitlines()[2].split()[-3:-1] == ["-", "-"]
 
 
 def test_status_watch_json_into_head_is_three_json_lines_and_exit_0(namespaces):

@@ -215,8 +215,12 @@ def test_crash_point(namespaces, monkeypatch, point, tp, clients):
             marker = launcher.names.run_dir / f"crashed-at-{point}"
             fired = poll_until(lambda: True if marker.exists() else None, time.monotonic() + 60)
             assert fired, f"the daemon never reached {point} #{n}"
-            crashed = [r for r in range(tp) if launcher.procs[r].poll() is not None
-                       or int(launcher.seg.ranks[r, RankSlot.EPOCH]) > epochs[r]]
+            # the marker is made just before the SIGKILL: wait for the death itself
+            crashed = poll_until(lambda: [r for r in range(tp)
+                                          if launcher.procs[r].poll() is not None
+                                          or int(launcher.seg.ranks[r, RankSlot.EPOCH])
+                                          > epochs[r]] or None, time.monotonic() + 30)
+            assert crashed, f"a rank reached {point} #{n} but did not die"
             for rank in crashed:
                 _wait_restarted(launcher, rank, epochs[rank])
             for rnd in rounds:

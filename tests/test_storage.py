@@ -464,12 +464,14 @@ def test_file_lru_eviction_keeps_recently_read_entries(store_dir):
     capacity = 10 * ENTRY_LEN
     b = FileBackend(store_dir, capacity_bytes=capacity)
     names = [_name(i) for i in range(30)]
-    for name in names[:10]:
+    past = time.time_ns() - 60 * 10**9
+    for i, name in enumerate(names[:10]):
         _put(b, [name])
-        time.sleep(0.002)  # distinct mtimes
+        # written in order, a minute ago: a kernel's write time is only as fine as its
+        # clock tick, so entries written within one tick would tie
+        os.utime(b._path(name), ns=(past + i, past + i))
     b.get([names[0], names[1]])  # used: these must outlive older-written ones
     for name in names[10:14]:
-        time.sleep(0.002)
         _put(b, [name])
     alive = b.contains(names)
     assert alive[0] and alive[1], "recently read entries were evicted"

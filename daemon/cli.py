@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Any, TextIO
+from typing import Any, Callable, Protocol, TextIO
 
 from kvswap.client import __version__
 from kvswap.client.errors import KvswapError
@@ -24,9 +25,14 @@ from kvswap.daemon.options import (
     between,
     format_size,
     parse_config,
-    positive,
+    seconds,
     value_type,
 )
+
+
+# A foreground command's stop: Ctrl-C, kill, and the terminal closing (SIGHUP), which
+# would otherwise end the process where it stands and leave the namespace behind.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _subcommand(sub: argparse._SubParsersAction, name: str, **kw: Any) -> argparse.ArgumentParser:
@@ -67,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--watch", action="store_true",
                     help="refresh until interrupted, with GiB/s per direction since the last "
                          "refresh (on a terminal the table is redrawn in place)")
-    st.add_argument("--interval", type=value_type(float, positive), default=1.0, metavar="SECONDS",
+    st.add_argument("--interval", type=value_type(float, seconds), default=1.0, metavar="SECONDS",
                     help="--watch refresh period in seconds")
 
     me = _subcommand(sub, "metrics", help="serve a namespace's signals to Prometheus "
@@ -90,6 +96,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Writer(Protocol):
+    def write(self, text: str, /) -> object: ...
+
+    def flush(self) -> object: ...
+
+
+class Outlet:
+    """``kvswap launch``'s stdout or stderr, which may lose its reader while the namespace
+    runs: ``| head``, a pager quit, a closed terminal (EIO after SIGHUP).  The engine
+    still needs the namespace, so the launcher goes on without that output: the
+    descriptor is pointed at /dev/null and what could not be written is dropped."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+
+    def write(self, text: str) -> None:
+        self._guard(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._guard(self._stream.flush)
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+    def _guard(self, call: Callable[..., object], *args: object) -> None:
+        try:
+            call(*args)
+        except OSError as exc:
+            if exc.errno not in (errno.EPIPE, errno.EIO):
+                raise
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+
+
 class LaunchProgress:
     """What ``kvswap launch`` shows while the ranks start (stdout).
 
@@ -101,7 +142,7 @@ class LaunchProgress:
 
     BAR = 24  # characters
 
-    def __init__(self, out: TextIO, err: TextIO, tty: bool):
+    def __init__(self, out: Writer, err: Writer, tty: bool):
         self.out, self.err, self.tty = out, err, tty
         self.t0 = time.monotonic()
         self._last: Any = None
@@ -170,11 +211,12 @@ def cmd_launch(cfg: LaunchConfig) -> int:
 
     setup_command_logging()
     stop = threading.Event()
-    for s in (signal.SIGINT, signal.SIGTERM):
+    for s in STOP_SIGNALS:
         signal.signal(s, lambda *_: stop.set())
     status = 0
     launcher = None
-    progress = LaunchProgress(sys.stdout, sys.stderr, sys.stdout.isatty())
+    out, err = Outlet(sys.stdout), Outlet(sys.stderr)
+    progress = LaunchProgress(out, err, out.isatty())
     try:
         launcher = Launcher(cfg)
         launcher.start()
@@ -183,16 +225,16 @@ def cmd_launch(cfg: LaunchConfig) -> int:
         finally:
             progress.done()
         print(f"kvswap: namespace {cfg.namespace} READY on {cfg.tp} rank(s) "
-              f"(kvswap status --namespace {cfg.namespace})", flush=True)
+              f"(kvswap status --namespace {cfg.namespace})", file=out, flush=True)
         while not stop.wait(0.2):
             why = launcher.supervise_once()
             if why:
-                print(f"kvswap: tearing down: {why}", file=sys.stderr, flush=True)
+                print(f"kvswap: tearing down: {why}", file=err, flush=True)
                 status = 1
                 break
     except KvswapError as exc:
         if not stop.is_set():
-            print(f"kvswap launch: {exc}", file=sys.stderr)
+            print(f"kvswap launch: {exc}", file=err, flush=True)
             status = 1
     finally:
         if launcher is not None:
@@ -246,7 +288,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     stop = threading.Event()
-    for s in (signal.SIGINT, signal.SIGTERM):
+    for s in STOP_SIGNALS:
         signal.signal(s, lambda *_: stop.set())
     try:
         server, thread = metrics.serve(args.namespace, args.port, args.host, args.run_root)
@@ -303,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         # They launch throw-away namespaces (and servers, temporary directories) and
         # remove them in finally blocks: SIGTERM must run those, as Ctrl-C does,
         # rather than end the process where it stands and leave everything behind.
-        signal.signal(signal.SIGTERM, _interrupt)
+        for s in STOP_SIGNALS[1:]:
+            signal.signal(s, _interrupt)
     try:
         return {"launch": cmd_launch, "status": cmd_status, "demo": cmd_demo,
                 "bench": cmd_bench, "metrics": cmd_metrics}[args.cmd](target)

@@ -39,7 +39,8 @@ from kvswap.daemon.options import (
     non_negative,
     option,
     parse_size,
-    positive,
+    seconds,
+    seconds_or_zero,
 )
 from kvswap.daemon.storage import check_url
 from kvswap.daemon.supervisor import SupervisorConfig
@@ -145,6 +146,17 @@ class NamespaceOptions(Options):
             raise ValueError(exc.message) from None
 
 
+def check_beats(interval_s: float, stale_s: float, flag: str, outcome: str) -> None:
+    """A daemon's heartbeat must come well within the age at which it counts as silent:
+    at or past it, a healthy daemon is found silent between every two beats (with
+    --restart-stale-after, killed and restarted in a loop until its rank is FATAL).
+    Twice per stale period leaves one late beat to a loaded machine."""
+    if not interval_s * 2 <= stale_s:
+        raise ValueError(f"--heartbeat-interval {interval_s:g} must be at most half of {flag} "
+                         f"{stale_s:g} (a daemon whose heartbeat is older {outcome}): lower "
+                         f"--heartbeat-interval or raise {flag}")
+
+
 @dataclass(kw_only=True)
 class DaemonOptions(NamespaceOptions):
     """kvswapd options (kvswap launch passes them to every rank's daemon)"""
@@ -166,14 +178,14 @@ class DaemonOptions(NamespaceOptions):
         help="create simulated caches instead of waiting for a CacheWorker to register; "
              "without LAYOUT the default layout. LAYOUT: " + DEMO_LAYOUT_HELP)
     attach_timeout_s: float = option(
-        300.0, flag="--attach-timeout", parse=float, check=positive,
+        300.0, flag="--attach-timeout", parse=float, check=seconds,
         help="seconds the start-up barrier (every rank attached its caches) and the clear "
              "barrier wait for all ranks")
     heartbeat_interval_s: float = option(
-        0.1, flag="--heartbeat-interval", parse=float, check=positive,
+        0.1, flag="--heartbeat-interval", parse=float, check=seconds,
         help="seconds between two heartbeats of a daemon in the signal segment")
     stale_after_s: float = option(
-        5.0, flag="--stale-after", parse=float, check=positive,
+        5.0, flag="--stale-after", parse=float, check=seconds,
         help="a rank whose heartbeat is older than this many seconds aborts the barriers and "
              "storage agreements the other ranks wait in, instead of leaving them to time out "
              "(not a restart: that is kvswap launch --restart-stale-after)")
@@ -197,7 +209,7 @@ class DaemonOptions(NamespaceOptions):
         help="a ready task of at most this many bytes, with nothing else queued, is copied on "
              "the I/O thread, skipping two thread hand-offs (0 disables)")
     orphan_timeout_s: float = option(
-        30.0, flag="--orphan-timeout", parse=float, check=positive,
+        30.0, flag="--orphan-timeout", parse=float, check=seconds,
         help="exit when the launcher is gone and the engine heartbeat has been silent (or "
              "absent) this many seconds")
     secret_file: str | None = option(
@@ -205,7 +217,7 @@ class DaemonOptions(NamespaceOptions):
         help="shared secret (mode 0600, >= 16 bytes) that signs every message on tcp:// "
              "(kvswapd --listen-tcp, kvswap launch --tcp)")
     replay_window_s: float = option(
-        60.0, flag="--replay-window", parse=float, check=positive,
+        60.0, flag="--replay-window", parse=float, check=seconds,
         help="a signed tcp:// request must be this many seconds fresh; a replay inside the "
              "window is refused; the daemon remembers every mac of the window, about 80 "
              "bytes each (5 MB at 1,000 signed requests a second over 60 s)")
@@ -224,10 +236,10 @@ class DaemonOptions(NamespaceOptions):
              "the initial value of TransferClient.set_model_version, which changes it after "
              "a weight update so that entries of the old weights are never matched")
     storage_timeout_s: float = option(
-        30.0, flag="--storage-timeout", parse=float, check=positive,
+        30.0, flag="--storage-timeout", parse=float, check=seconds,
         help="seconds a prefetch waits for the other ranks to agree")
     drain_timeout_s: float = option(
-        60.0, flag="--drain-timeout", parse=float, check=positive,
+        60.0, flag="--drain-timeout", parse=float, check=seconds,
         help="seconds a clear, or a replacing register (an engine restart), waits for "
              "accepted tasks to finish; also the longest a daemon's stop may take: past "
              "it the daemon exits at once with status 3, releasing nothing, as after a "
@@ -251,7 +263,7 @@ class DaemonOptions(NamespaceOptions):
         help="address other nodes reach this node's Transfer Engines and completion "
              "listeners at (written into tickets)")
     peer_timeout_s: float = option(
-        30.0, flag="--peer-timeout", parse=float, check=positive,
+        30.0, flag="--peer-timeout", parse=float, check=seconds,
         help="seconds a peer push waits for each answer of the receiving daemon, and a "
              "receive waits for a sender that began to say it is done")
     log_level: str = option(
@@ -262,6 +274,8 @@ class DaemonOptions(NamespaceOptions):
         super().__post_init__()
         if self.host_blocks is not None and self.host_size is not None:
             raise ValueError("--host-blocks and --host-size both size the host pool: give one")
+        check_beats(self.heartbeat_interval_s, self.stale_after_s, "--stale-after",
+                    "aborts the barriers and agreements it is in")
 
     @property
     def pool_blocks(self) -> int | None:
@@ -331,14 +345,14 @@ class LaunchConfig(DaemonOptions):
         None, flag="--log-dir", metavar="DIR", default_text="the run dir, removed at teardown",
         help="where the per-rank logs rank<r>.log go")
     ready_timeout_s: float = option(
-        600.0, flag="--ready-timeout", parse=float, check=positive,
+        600.0, flag="--ready-timeout", parse=float, check=seconds,
         help="seconds to wait for every rank to be READY")
     stop_timeout_s: float = option(
-        10.0, flag="--stop-timeout", parse=float, check=positive,
+        10.0, flag="--stop-timeout", parse=float, check=seconds,
         help="deadline in seconds of the staged stop: shutdown message, SIGTERM at 50%%, "
              "SIGKILL at 80%%")
     engine_timeout_s: float = option(
-        60.0, flag="--engine-timeout", parse=float, check=non_negative,
+        60.0, flag="--engine-timeout", parse=float, check=seconds_or_zero,
         help="once the engine has beaten, tear everything down if it stays silent this many "
              "seconds (0: never)")
     supervision: SupervisorConfig = nested(SupervisorConfig)
@@ -355,6 +369,8 @@ class LaunchConfig(DaemonOptions):
                 raise ValueError("--tcp needs --secret-file")
         if self.devices is not None and len(self.devices) != self.tp:
             raise ValueError(f"--devices names {len(self.devices)} devices for --tp {self.tp}")
+        check_beats(self.heartbeat_interval_s, self.supervision.stale_after_s,
+                    "--restart-stale-after", "is killed and restarted")
 
     def daemon_config(self, rank: int, run_root: str) -> DaemonConfig:
         """Rank ``rank``'s daemon: every shared option as launched, ``run_root`` resolved."""

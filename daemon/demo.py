@@ -64,6 +64,17 @@ class DemoConfig(Options):
     run_root: str | None = run_root_option()
     namespace: str | None = None  # None: demo-<pid>
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # each thread works on blocks of its own, so the sequential model stays exact
+        device_blocks = parse_demo_layout(self.layout)["blocks"]
+        for what, n in (("--host-blocks", self.host_blocks), ("device blocks (--layout "
+                                                               "blocks=)", device_blocks)):
+            if n < self.threads:
+                raise ValueError(f"{what} {n}: fewer than --threads {self.threads}, so a "
+                                 f"thread would have no block of its own; give at least one "
+                                 f"per thread, or fewer --threads")
+
 
 @dataclass
 class DemoResult:

@@ -42,7 +42,7 @@ from kvswap.client.errors import ErrorCode, KvswapError, NamespaceError, NotRead
 from kvswap.client.layout import demo_layout
 from kvswap.client.monitor import rank_activity
 from kvswap.client.naming import Names
-from kvswap.client.protocol import Op, encode_request
+from kvswap.client.protocol import MAX_SECONDS, Op, check_seconds, encode_request
 from kvswap.client.signals import (
     HeaderSlot,
     RankSlot,
@@ -205,6 +205,12 @@ def sweep_namespace(names: Names) -> list[str]:
 
 
 
+# Run dirs of the namespaces a Launcher of this process runs, from start() to stop():
+# the launcher pid in a namespace's segment cannot tell two Launchers of one process
+# apart, nor this process's live one from the leftover of one that never stopped.
+_running: set[Path] = set()
+
+
 class Launcher:
     def __init__(self, cfg: LaunchConfig):
         # cfg validated itself when it was built (kvswap.daemon.config).
@@ -236,6 +242,10 @@ class Launcher:
                 left = daemons_left(self.names, other)
             finally:
                 other.close()
+            if pid == os.getpid() and self.names.run_dir in _running:
+                raise NamespaceError(
+                    f"namespace {self.names.namespace!r} is in use by another Launcher of this "
+                    f"process; stop() it first or choose another namespace")
             if pid and pid != os.getpid() and pid_alive(pid):
                 raise NamespaceError(
                     f"namespace {self.names.namespace!r} is in use by launcher pid {pid}; "
@@ -275,14 +285,19 @@ class Launcher:
             log.info("shared memory per rank: %s", needs.describe())
 
     def start(self) -> None:
+        if self.seg is not None or self._stopped:
+            raise NamespaceError(
+                f"this Launcher of namespace {self.names.namespace!r} was already started; "
+                f"each Launcher starts once: make a new one to launch again")
         self._preflight()
         self._refuse_if_in_use()
         self.seg = SignalSegment.create(self.names, self.cfg.tp)
+        _running.add(self.names.run_dir)
         try:
             create_semaphores(self.names, self.cfg.tp)
-            self.names.run_dir.mkdir(mode=0o700, parents=True, exist_ok=False)
+            self._make_dir(self.names.run_dir, "--run-root", exist_ok=False)
             os.chmod(self.names.run_dir, 0o700)
-            self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._make_dir(self.log_dir, "--log-dir", exist_ok=True)
             for r in range(self.cfg.tp):
                 self.procs.append(self._spawn(r))
         except BaseException:
@@ -290,6 +305,14 @@ class Launcher:
             raise
         log.info("namespace %s: started %d daemon(s), logs in %s", self.names.namespace,
                  self.cfg.tp, self.log_dir)
+
+    @staticmethod
+    def _make_dir(path: Path, flag: str, exist_ok: bool) -> None:
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=exist_ok)
+        except (FileExistsError, NotADirectoryError, PermissionError) as exc:
+            raise NamespaceError(f"cannot create the directory {path} ({flag}): {exc.strerror}; "
+                                 f"give {flag} a directory this user may write") from None
 
     def daemon_config(self, rank: int) -> DaemonConfig:
         """What rank ``rank``'s daemon runs with: the launch options, this run root."""
@@ -351,8 +374,11 @@ class Launcher:
         error lines and its log if a daemon exits or reports FAILED; raises
         :class:`RankTimeout` at the deadline and :class:`KvswapError`
         (SHUTTING_DOWN) as soon as ``stop()`` is true."""
-        assert self.seg is not None
-        timeout = self.cfg.ready_timeout_s if timeout is None else timeout
+        if self.seg is None:
+            raise NamespaceError(f"namespace {self.names.namespace!r} is not running: "
+                                 f"call start() before wait_ready()")
+        timeout = check_seconds(self.cfg.ready_timeout_s if timeout is None else timeout,
+                                "wait_ready timeout", positive=True, most=MAX_SECONDS)
 
         def pass_logs() -> None:
             if on_log is None:
@@ -472,6 +498,7 @@ class Launcher:
         self.seg.close()
         self.seg.unlink()
         self.seg = None
+        _running.discard(self.names.run_dir)
         unlink_semaphores(self.names, self.cfg.tp)
         removed = sweep_namespace(self.names)
         if removed:

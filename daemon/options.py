@@ -35,6 +35,8 @@ import sys
 from dataclasses import MISSING, dataclass
 from typing import Any, Callable, Iterator
 
+from kvswap.client.protocol import MAX_SECONDS
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # Python 3.10: the same parser, as a package (a dependency there only)
@@ -98,13 +100,24 @@ def between(low: int, high: int) -> Check:
     return lambda v: None if low <= v <= high else f"must be in [{low}, {high}], got {v}"
 
 
-def positive(v: float) -> str | None:
-    # `not v > 0` also refuses NaN.
-    return None if v > 0 else f"must be > 0, got {v}"
-
-
 def non_negative(v: float) -> str | None:
     return None if v >= 0 else f"must be >= 0, got {v}"
+
+
+def seconds(v: float) -> str | None:
+    """A duration: > 0 and at most :data:`MAX_SECONDS`.  The comparisons also refuse
+    NaN; the bound refuses ``inf`` and ``1e300``, which pass ``> 0`` but overflow the
+    integer nanoseconds and milliseconds timers are kept in, or leave a deadline that
+    never comes (a staged stop that never escalates)."""
+    return None if 0 < v <= MAX_SECONDS else f"must be > 0 and {_AT_MOST}, got {v}"
+
+
+def seconds_or_zero(v: float) -> str | None:
+    """A duration where 0 means "off": >= 0 and at most :data:`MAX_SECONDS`."""
+    return None if 0 <= v <= MAX_SECONDS else f"must be >= 0 and {_AT_MOST}, got {v}"
+
+
+_AT_MOST = f"at most {MAX_SECONDS:.0f} seconds (366 days)"
 
 
 # ------------------------------------------------------------------ byte sizes
@@ -147,6 +160,11 @@ class Options:
             problem = _problem(f, opt, getattr(self, f.name))
             if problem:
                 raise ValueError(f"{opt.flag} {problem}")
+        for f in dataclasses.fields(self):
+            cls = f.metadata.get("nested")
+            if cls is not None and not isinstance(getattr(self, f.name), cls):
+                raise ValueError(f"{type(self).__name__}.{f.name} must be a {cls.__name__}, "
+                                 f"got {getattr(self, f.name)!r:.60}")
 
 
 def _problem(f: dataclasses.Field, opt: Option, value: Any) -> str | None:
@@ -367,7 +385,7 @@ def read_config_file(path: str, cls: type) -> dict[str, Any]:
             data = tomllib.load(fh)
     except OSError as exc:
         raise ValueError(f"--config {path}: cannot read it: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # TOML is UTF-8 text
         raise ValueError(f"--config {path}: not valid TOML: {exc}") from None
     keys = config_keys(cls)
     out: dict[str, Any] = {}

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvswap.client.signals import RankSlot, RankState, SignalSegment
-from kvswap.daemon.options import Options, at_least, option, positive
+from kvswap.daemon.options import Options, at_least, option, seconds, seconds_or_zero
 
 log = logging.getLogger("kvswap.supervisor")
 
@@ -60,10 +60,23 @@ class SupervisorConfig(Options):
     backoff_s: float = 0.5
     backoff_max_s: float = 30.0
     stale_after_s: float = option(
-        10.0, flag="--restart-stale-after", parse=float, check=positive,
+        10.0, flag="--restart-stale-after", parse=float, check=seconds,
         help="a daemon whose heartbeat is older than this many seconds is killed (SIGKILL) "
              "and restarted (not kvswapd's --stale-after, which aborts barriers)")
     reset_after_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("backoff_s", "backoff_max_s", "reset_after_s"):  # set from Python only
+            value = getattr(self, name)
+            problem = (f"must be a number, got {value!r:.60}"
+                       if isinstance(value, bool) or not isinstance(value, (int, float))
+                       else seconds_or_zero(value))
+            if problem:
+                raise ValueError(f"SupervisorConfig.{name} {problem}")
+        if self.backoff_max_s < self.backoff_s:
+            raise ValueError(f"SupervisorConfig.backoff_max_s ({self.backoff_max_s}) must be at "
+                             f"least backoff_s ({self.backoff_s}): the back-off only grows")
 
 
 class Supervisor:

@@ -238,6 +238,19 @@ BAD = [
     ("metrics", ["--port", "70000"], ["--port", "must be in [0, 65535]"]),
     ("demo", ["--threads", "0"], ["--threads", "must be >= 1"]),
     ("bench", ["tasks", "--tp", "0"], ["--tp", "must be in [1, 1024]"]),
+    # durations past a year: inf passed "> 0", then overflowed a timer or never came
+    ("launch", ["--replay-window", "inf"], ["--replay-window", "at most 31622400 seconds"]),
+    ("launch", ["--stop-timeout", "1e300"], ["--stop-timeout", "at most 31622400 seconds"]),
+    ("launch", ["--engine-timeout", "inf"], ["--engine-timeout", "must be >= 0 and at most"]),
+    ("status", ["--interval", "1e10"], ["--interval", "at most 31622400 seconds"]),
+    ("kvswapd", ["--heartbeat-interval", "3"],
+     ["--heartbeat-interval 3 must be at most half of --stale-after 5", "lower"]),
+    ("demo", ["--host-blocks", "3"], ["--host-blocks 3: fewer than --threads 4"]),
+    ("demo", ["--layout", "blocks=2", "--threads", "3"],
+     ["device blocks (--layout blocks=) 2: fewer than --threads 3"]),
+    ("launch", ["--heartbeat-interval", "6", "--stale-after", "60"],
+     ["--heartbeat-interval 6 must be at most half of --restart-stale-after 10",
+      "is killed and restarted"]),
 ]
 
 
@@ -268,6 +281,11 @@ def test_bad_values_exit_2_naming_the_flag_and_what_it_allows(command, argv, exp
      "--tcp 127.0.0.1:65534: BASEPORT + --tp must be at most 65535"),
     (DaemonConfig, {"rank": 0, "log_level": "debug"}, "--log-level must be one of DEBUG, INFO"),
     (SupervisorConfig, {"max_retries": -1}, "--max-restarts must be >= 0, got -1"),
+    (SupervisorConfig, {"backoff_s": float("nan")}, "SupervisorConfig.backoff_s must be >= 0"),
+    (SupervisorConfig, {"backoff_s": "0.5"}, "SupervisorConfig.backoff_s must be a number"),
+    (SupervisorConfig, {"backoff_s": 2.0, "backoff_max_s": 1.0},
+     "backoff_max_s (1.0) must be at least backoff_s (2.0)"),
+    (LaunchConfig, {"supervision": {}}, "LaunchConfig.supervision must be a SupervisorConfig"),
 ])
 def test_configs_built_in_python_are_validated_the_same_way(cls, kw, message):
     base = {LaunchConfig: {"namespace": "ns", "tp": 2},
@@ -310,7 +328,7 @@ def test_version_of_both_commands_is_the_installed_distribution(capsys):
 
 def _toml(tmp_path: Path, text: str) -> str:
     path = tmp_path / "kvswap.toml"
-    path.write_text(text)
+    path.write_text(text, errors="surrogateescape")  # \udcff: the byte 0xff
     return str(path)
 
 
@@ -346,6 +364,7 @@ ready-timeout = "30"
     ("namespace = 'n'\ntp = 2\nstorage = 'ftp://x'\n", ["unknown scheme 'ftp'"]),
     ("namespace = 'n'\ntp = 2\nlog-level = 'loud'\n", ["log-level = 'loud'", "one of DEBUG"]),
     ("namespace = 'n'\ntp = [\n", ["not valid TOML"]),
+    ("namespace = 'n'\ntp = 2 # \udcff\n", ["not valid TOML", "can't decode byte 0xff"]),
     ("tp = 2\n", ["the following arguments are required: --namespace"]),
 ])
 def test_bad_config_file_exits_2_naming_the_key(tmp_path, capsys, text, expected):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,16 +16,17 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from conftest import SMALL_LAYOUT, wait_for_state
+from conftest import SMALL_LAYOUT, wait_for_namespace_state, wait_for_state
 
 from kvswap.client import CacheTensor, CacheWorker, InvalidTask, KvswapError
-from kvswap.client.errors import ErrorCode
+from kvswap.client.errors import ErrorCode, NamespaceError
 from kvswap.client.layout import TensorDesc
 from kvswap.client.monitor import format_table, read_status
+from kvswap.client.naming import Names
 from kvswap.client.shm_region import SegmentExists, ShmRegion, segment_users
 from kvswap.client.signals import HeaderSlot, RankState, poll_until
 from kvswap.daemon import swap_space
-from kvswap.daemon.cli import LaunchProgress
+from kvswap.daemon.cli import LaunchProgress, Outlet
 from kvswap.daemon.config import LaunchConfig
 from kvswap.daemon.launcher import Launcher, error_lines, shm_needs
 from kvswap.daemon.logs import LINE, formatter
@@ -468,3 +470,88 @@ def test_a_stop_interrupted_midway_still_ends_the_daemons_and_removes_the_namesp
         launcher.stop()
     assert [p.poll() for p in launcher.procs] == [-9, -9]
     assert names.owned_shm() == [] and not names.run_dir.exists()
+
+
+def test_a_launcher_starts_once_and_one_per_namespace_in_a_process(namespaces):
+    """A second start() of a running Launcher, or a second Launcher of the namespace in
+    the same process, is refused and changes nothing: the segment's launcher pid is
+    this process either way, which used to read as "a launcher that is gone" and let
+    the second sweep the live namespace and spawn a second rank 0."""
+    launcher = namespaces.launch(tp=1, demo_caches=SMALL_LAYOUT, host_blocks=8)
+    pid = launcher.procs[0].pid
+    shm = sorted(launcher.names.owned_shm())
+    with pytest.raises(NamespaceError, match="already started; each Launcher starts once"):
+        launcher.start()
+    second = Launcher(LaunchConfig(namespace=launcher.names.namespace, tp=1,
+                                   run_root=namespaces.run_root, demo_caches=SMALL_LAYOUT,
+                                   host_blocks=8))
+    with pytest.raises(NamespaceError, match="in use by another Launcher of this process"):
+        second.start()
+    assert sorted(launcher.names.owned_shm()) == shm and launcher.procs[0].pid == pid
+    assert launcher.procs[0].poll() is None and launcher.seg.state_of(0) == RankState.READY
+    with pytest.raises(NamespaceError, match="call start"):
+        second.wait_ready(1)
+    launcher.stop()
+    with pytest.raises(NamespaceError, match="already started"):
+        launcher.start()  # stopped for good: a stopped Launcher could not be stopped again
+    second.start()  # the namespace is free once the first has stopped
+    namespaces.launchers.append(second)
+    second.wait_ready(30)
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1, "30"])
+def test_wait_ready_refuses_a_timeout_that_is_not_a_duration(namespaces, timeout):
+    launcher = namespaces.launch(tp=1, demo_caches=SMALL_LAYOUT, host_blocks=8, wait=False)
+    with pytest.raises(InvalidTask, match="wait_ready timeout must be"):
+        launcher.wait_ready(timeout)  # nan used to wait forever
+
+
+def test_kvswap_launch_outlives_its_output_reader_and_stops_on_sighup(namespaces):
+    """``kvswap launch | head -1``: the reader of stdout goes away and the launcher runs
+    on (it used to die of BrokenPipeError and tear the namespace down under the engine).
+    Closing its terminal (SIGHUP) stops it like SIGTERM: the namespace is removed, where
+    the default action used to kill it and leave the namespace behind."""
+    names = namespaces.new()
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "kvswap.daemon.cli", "launch", "--namespace", names.namespace,
+         "--run-root", str(names.run_root), "--tp", "1", "--demo-caches", SMALL_LAYOUT,
+         "--host-blocks", "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        launch.stdout.close()  # before its first line: every line it writes meets EPIPE
+        wait_for_namespace_state(names, 1, RankState.READY)
+        launch.send_signal(signal.SIGHUP)
+        assert launch.wait(30) == 0, launch.stderr.read().decode()
+        assert b"Traceback" not in launch.stderr.read()
+        assert names.owned_shm() == [] and not names.run_dir.exists()
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+            launch.wait(10)
+        launch.stderr.close()
+
+
+def test_an_outlet_whose_reader_is_gone_swallows_what_it_cannot_write():
+    r, w = os.pipe()
+    stream = os.fdopen(w, "w")
+    outlet = Outlet(stream)
+    os.close(r)  # the reader is gone
+    try:
+        print("lost", file=outlet, flush=True)  # EPIPE: the descriptor now goes to /dev/null
+        print("also lost", file=outlet, flush=True)
+        assert os.path.samestat(os.fstat(stream.fileno()), os.stat(os.devnull))
+    finally:
+        stream.close()
+
+
+@pytest.mark.parametrize("flag", ["--run-root", "--log-dir"])
+def test_a_run_root_or_log_dir_that_is_a_file_is_refused_naming_the_flag(namespaces, flag):
+    names = namespaces.new()
+    blocker = Path(namespaces.run_root) / "a-file"
+    blocker.write_text("")
+    cfg = {"run_root": str(blocker)} if flag == "--run-root" else {"log_dir": str(blocker)}
+    kw = {"run_root": namespaces.run_root, **cfg}
+    launcher = Launcher(LaunchConfig(namespace=names.namespace, tp=1, demo_caches=SMALL_LAYOUT,
+                                     host_blocks=8, **kw))
+    with pytest.raises(NamespaceError, match=f"cannot create the directory .*a-file.* \\({flag}\\)"):
+        launcher.start()
+    assert Names.of(names.namespace, kw["run_root"]).owned_shm() == []  # nothing left

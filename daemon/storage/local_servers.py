@@ -26,6 +26,19 @@ import time
 from pathlib import Path
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in state T (stopped), from /proc."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:  # the thread ended
+            continue
+        if state != "T":
+            return False
+    return True
+
+
 def free_port() -> int:
     """A loopback TCP port nobody listens on right now."""
     with socket.socket() as s:
@@ -82,9 +95,21 @@ class ServerProcess(abc.ABC):
                            f"{self.log()[-2000:]}")
 
     def freeze(self, frozen: bool) -> None:
-        """SIGSTOP / SIGCONT: a server that accepts connections but answers nothing."""
+        """SIGSTOP / SIGCONT: a server that accepts connections but answers nothing.
+
+        A freeze returns once every thread of the server has stopped: ``kill`` only
+        queues the stop, and each thread takes it when the kernel next schedules it,
+        which a busy machine can delay past the next request the caller sends."""
         assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+        pid = self.proc.pid
+        os.kill(pid, signal.SIGSTOP if frozen else signal.SIGCONT)
+        if not frozen:
+            return
+        deadline = time.monotonic() + 10
+        while not _all_threads_stopped(pid):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} (pid {pid}) did not stop within 10 s of SIGSTOP")
+            time.sleep(0.001)
 
     def kill(self) -> None:
         """SIGKILL: the server dies without a word, as in a crash."""

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     la = _subcommand(sub, "launch", help="start one daemon per rank and supervise them",
                      description="Create the namespace, start one kvswapd per rank, wait until "
-                                 "all are READY, stay in the foreground; SIGINT or SIGTERM stops "
+                                 "all are READY, stay in the foreground; SIGINT, SIGTERM or SIGHUP stops "
                                  "every daemon and removes the namespace. Every kvswapd option "
                                  "that is the same on every rank is a flag here too and is "
                                  "passed to every rank's daemon. Options may also come from a "

@@ -205,6 +205,11 @@ def sweep_namespace(names: Names) -> list[str]:
 
 
 
+# States a rank reaches only once every rank was READY: an engine may pause or clear
+# the namespace between two of wait_ready's polls, and that namespace is up (waiting
+# for READY alone left it unsupervised, then tore it down at --ready-timeout).
+SERVED = frozenset({RankState.READY, RankState.PAUSED, RankState.CLEARING, RankState.CLEARED})
+
 # Run dirs of the namespaces a Launcher of this process runs, from start() to stop():
 # the launcher pid in a namespace's segment cannot tell two Launchers of one process
 # apart, nor this process's live one from the leftover of one that never stopped.
@@ -366,7 +371,7 @@ class Launcher:
                    on_progress: Callable[[list[dict]], None] | None = None,
                    stop: Callable[[], bool] | None = None,
                    on_log: Callable[[int, str], None] | None = None) -> None:
-        """Wait until every rank is READY.
+        """Wait until every rank is READY (or already past it: :data:`SERVED`).
 
         Each turn it reads the ranks' new log lines (``on_log(rank, line)`` gets those
         logged at WARNING or above) and states (``on_progress(rows)`` gets
@@ -401,12 +406,12 @@ class Launcher:
                     raise self._failure(r, "FAILED")
             if on_progress is not None:
                 on_progress(self.rank_rows())
-            if all(self.seg.state_of(r) == RankState.READY for r in range(self.cfg.tp)):
+            if all(self.seg.state_of(r) in SERVED for r in range(self.cfg.tp)):
                 return True
             return None
 
         if poll_until(check, time.monotonic() + timeout, max_sleep=0.1) is None:
-            missing = [r for r in range(self.cfg.tp) if self.seg.state_of(r) != RankState.READY]
+            missing = [r for r in range(self.cfg.tp) if self.seg.state_of(r) not in SERVED]
             raise RankTimeout(f"ranks not READY after {timeout:.1f}s: "
                               + "; ".join(self._describe(r) for r in missing))
 

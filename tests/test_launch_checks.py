@@ -18,7 +18,7 @@ import pytest
 
 from conftest import SMALL_LAYOUT, wait_for_namespace_state, wait_for_state
 
-from kvswap.client import CacheTensor, CacheWorker, InvalidTask, KvswapError
+from kvswap.client import CacheTensor, CacheWorker, InvalidTask, KvswapError, TransferClient
 from kvswap.client.errors import ErrorCode, NamespaceError
 from kvswap.client.layout import TensorDesc
 from kvswap.client.monitor import format_table, read_status
@@ -555,3 +555,17 @@ def test_a_run_root_or_log_dir_that_is_a_file_is_refused_naming_the_flag(namespa
     with pytest.raises(NamespaceError, match=f"cannot create the directory .*a-file.* \\({flag}\\)"):
         launcher.start()
     assert Names.of(names.namespace, kw["run_root"]).owned_shm() == []  # nothing left
+
+
+def test_wait_ready_returns_when_the_engine_paused_before_it_looked(namespaces):
+    """An engine may pause (or clear) the namespace between two of the launcher's polls
+    right after READY: the namespace is up, and wait_ready returns, so supervision
+    starts (it used to wait for READY until --ready-timeout, then fail)."""
+    launcher = namespaces.launch(tp=2, demo_caches=SMALL_LAYOUT, host_blocks=8, wait=False)
+    wait_for_state(launcher, RankState.READY, timeout=30)  # not through wait_ready
+    with TransferClient(launcher.names.namespace, 2, run_root=namespaces.run_root) as client:
+        client.pause().result(10)
+        assert [launcher.seg.state_of(r) for r in range(2)] == [RankState.PAUSED] * 2
+        launcher.wait_ready(timeout=5)
+        assert launcher.supervise_once() is None
+        client.resume().result(10)

@@ -26,6 +26,9 @@ from kvswap.client.layer_progress import LayerProgress
 from kvswap.client.layout import TensorDesc, validate_layout
 from kvswap.client.naming import Names, check_tensor_name
 from kvswap.client.protocol import (
+    ID_LIMIT,
+    MAX_HEADER_BYTES,
+    MAX_SECONDS,
     Op,
     Reply,
     check_int,
@@ -34,7 +37,7 @@ from kvswap.client.protocol import (
     encode_request,
 )
 from kvswap.client.shm_region import ShmRegion
-from kvswap.client.signals import HeaderSlot, SignalSegment, now_ns
+from kvswap.client.signals import HeaderSlot, SegmentClosed, SignalSegment, now_ns
 
 
 @dataclass
@@ -53,6 +56,8 @@ class CacheTensor:
 # lower: the namespace's tp_size), and the engine heartbeat's interval, which must stay
 # well inside the launcher's --engine-timeout (default 60 s).
 _MAX_RANK = 1 << 20
+# A layer number goes on the wire as a msgpack int (the daemon takes any non-negative one).
+_MAX_LAYER = ID_LIMIT - 1
 _MIN_HEARTBEAT_S = 0.001
 _MAX_HEARTBEAT_S = 30.0
 
@@ -87,8 +92,10 @@ class CacheWorker:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.names.endpoint(rank))
         self._closed = False
-        self._layers: list[int] = []  # sorted distinct layers of the registered tensors
-        self._progress = LayerProgress(self.seg, rank)
+        # layer number -> its index among the registered tensors' sorted distinct layers
+        # (the index the daemon publishes progress in); replaced whole by register
+        self._layers: dict[int, int] = {}
+        self._progress = LayerProgress(self.seg, rank, owner="CacheWorker")
         self._hb_interval = heartbeat_interval_s
         self._hb_stop = threading.Event()
         self._registered = threading.Event()  # the heartbeat beats once this is set
@@ -103,7 +110,10 @@ class CacheWorker:
         ``--engine-timeout`` later)."""
         while not self._hb_stop.is_set():
             if self._registered.is_set():
-                self.seg.header[HeaderSlot.ENGINE_HEARTBEAT_NS] = now_ns()
+                try:
+                    self.seg.header[HeaderSlot.ENGINE_HEARTBEAT_NS] = now_ns()
+                except SegmentClosed:
+                    return  # close() gave up joining this thread and went on
             self._hb_stop.wait(self._hb_interval)
 
     # ------------------------------------------------------------------ host backend
@@ -134,7 +144,15 @@ class CacheWorker:
             self._regions[name] = region
         return region.array(0, dims, dt)
 
-    def _describe(self, t: CacheTensor) -> TensorDesc:
+    def _describe(self, i: int, t: Any) -> TensorDesc:
+        """Check ``tensors[i]`` and describe it for the daemon."""
+        if not isinstance(t, CacheTensor):
+            raise InvalidTask(f"tensors[{i}] must be a CacheTensor(name, layer, array), got "
+                              f"{type(t).__name__} {t!r:.60}", ErrorCode.BAD_FIELD)
+        # check_int refuses a float (1.7 must not quietly become layer 1), nan, None, a
+        # bool: the layer decides which layer-wise wait the tensor's copy completes
+        layer = check_int(t.layer, f"tensors[{i}] ({t.name!r:.60}): layer (the model layer "
+                          f"number)", 0, _MAX_LAYER)
         if not isinstance(t.replicated, bool):
             raise InvalidTask(f"tensor {t.name}: replicated must be a bool, got "
                               f"{t.replicated!r:.40}", ErrorCode.BAD_LAYOUT)
@@ -144,7 +162,7 @@ class CacheWorker:
             from kvswap.client.cuda_export import export_tensor
 
             exported = export_tensor(arr, t.name)
-            return TensorDesc(t.name, int(t.layer), exported.dtype, exported.shape,
+            return TensorDesc(t.name, layer, exported.dtype, exported.shape,
                               exported.location.to_wire(), t.replicated)
         if not isinstance(arr, np.ndarray):
             raise InvalidTask(f"tensor {t.name}: host backend expects the numpy array returned "
@@ -163,7 +181,7 @@ class CacheWorker:
                               ErrorCode.BAD_LAYOUT)
         # the inode tells the daemon which segment of that name (a restarted engine
         # creates its segments again under the same names)
-        return TensorDesc(t.name, int(t.layer), arr.dtype.str, tuple(arr.shape),
+        return TensorDesc(t.name, layer, arr.dtype.str, tuple(arr.shape),
                           {"shm": region.name, "ino": region.inode}, t.replicated)
 
     # ------------------------------------------------------------------ register
@@ -188,13 +206,16 @@ class CacheWorker:
         if isinstance(tensors, CacheTensor) or not isinstance(tensors, Sequence):
             raise InvalidTask(f"tensors must be a list of CacheTensor, got "
                               f"{type(tensors).__name__}", ErrorCode.BAD_FIELD)
-        descs = [self._describe(t) for t in tensors]
+        descs = [self._describe(i, t) for i, t in enumerate(tensors)]
         validate_layout(descs)
         fields = {"backend": self.backend, "tensors": [d.to_wire() for d in descs]}
         if replace:
             fields["replace"] = True
-        reply = self._request(Op.REGISTER, fields, timeout)
-        self._layers = sorted({d.layer for d in descs})
+        reply = self._request(Op.REGISTER, fields, timeout, too_large=(
+            f"it describes {len(descs)} tensor(s), each with its name twice (as the "
+            f"tensor's and in its shm segment's name): register fewer, larger tensors "
+            f"(blocks on axis 0, e.g. one per layer and kind) or shorter names"))
+        self._layers = {layer: i for i, layer in enumerate(sorted({d.layer for d in descs}))}
         self.seg.header[HeaderSlot.ENGINE_HEARTBEAT_NS] = now_ns()  # the first beat, at once
         self._registered.set()
         return reply
@@ -206,20 +227,46 @@ class CacheWorker:
 
         Sleeps on the rank's layer semaphore (no busy wait); raises
         :class:`RankTimeout` naming the rank, task and layer, or
-        :class:`TransferFailed` if the load failed on this rank."""
-        try:
-            index = self._layers.index(layer)
-        except ValueError:
-            raise ValueError(f"layer {layer} is not a layer of the registered tensors "
-                             f"{self._layers}") from None
-        self._progress.wait(task_id, index, timeout)
+        :class:`TransferFailed` if the load failed on this rank.  ``layer`` is a layer
+        number of the registered tensors (``CacheTensor.layer``), ``timeout`` a finite
+        number of seconds (0: look once); a bad one raises :class:`InvalidTask`.
 
-    def _request(self, op: Op, fields: dict, timeout: float) -> Reply:
+        :meth:`close` ends the wait at once (another thread may be in it): it raises
+        :class:`KvswapError` SHUTTING_DOWN, as does a call after close."""
+        task_id = check_int(task_id, "task_id (a layer-wise load's TransferFuture.task_id)",
+                            1, ID_LIMIT - 1)
+        layer = check_int(layer, "layer", 0, _MAX_LAYER)
+        timeout = check_seconds(timeout, "timeout", positive=False, most=MAX_SECONDS)
+        if self._closed:
+            raise KvswapError("CacheWorker is closed", ErrorCode.SHUTTING_DOWN)
+        layers = self._layers
+        index = layers.get(layer)
+        if index is None:
+            if not layers:
+                raise InvalidTask("wait_layer before register: this worker has no tensors "
+                                  "registered, so no layer to wait for", ErrorCode.BAD_FIELD)
+            raise InvalidTask(f"layer {layer} is not a layer of the registered tensors "
+                              f"{sorted(layers)}", ErrorCode.BAD_FIELD)
+        self._progress.wait(task_id, index, timeout, label=layer)
+
+    def _request(self, op: Op, fields: dict, timeout: float, too_large: str = "") -> Reply:
+        """Send one request and wait for its reply.  ``too_large`` says what made the
+        header large and how to shrink it, for the error if it is over the daemon's
+        limit: the daemon cannot read the id of such a request, so its refusal would
+        answer nobody and this call would wait out its timeout."""
         with self._lock:
             if self._closed:
                 raise KvswapError("CacheWorker is closed", ErrorCode.SHUTTING_DOWN)
             req_id = next(self._ids)
-            self._sock.send_multipart(encode_request(op, req_id, fields))
+            frames = encode_request(op, req_id, fields)
+            if len(frames[0]) > MAX_HEADER_BYTES:
+                raise InvalidTask(
+                    f"rank {self.rank}: the {op.value} request's header packs to "
+                    f"{len(frames[0])} bytes, over the daemon's limit of {MAX_HEADER_BYTES} "
+                    f"(kvswap.client.protocol.MAX_HEADER_BYTES)"
+                    + (f"; {too_large}" if too_large else "") + "; nothing was sent",
+                    ErrorCode.MESSAGE_TOO_LARGE)
+            self._sock.send_multipart(frames)
             deadline = time.monotonic() + timeout
             while True:
                 remaining = deadline - time.monotonic()
@@ -230,6 +277,12 @@ class CacheWorker:
                             f"(is the daemon running? log {self.names.log_path(self.rank)})")
                     continue
                 reply = decode_reply(self._sock.recv_multipart()[0])
+                if reply.id is None and not reply.ok:
+                    # refused before its id could be read (a header that is not msgpack
+                    # or too large).  This worker builds neither and sends one request at
+                    # a time, so it is this one: waiting out the timeout cannot help.
+                    raise error_for_code(reply.code, f"rank {self.rank}: {op.value} refused "
+                                                     f"unread: {reply.message}")
                 if reply.id != req_id:
                     continue  # a late reply to an earlier, timed-out request
                 if not reply.ok:
@@ -240,7 +293,9 @@ class CacheWorker:
     def close(self) -> None:
         """Stop the heartbeat and unlink the tensors this worker created.
 
-        Arrays returned by :meth:`alloc_host_tensor` stay valid until dropped."""
+        Arrays returned by :meth:`alloc_host_tensor` stay valid until dropped.  A
+        :meth:`wait_layer` in another thread ends with SHUTTING_DOWN, and the layer
+        semaphore and signal segment are closed only once it has left."""
         with self._lock:
             if self._closed:
                 return

@@ -59,6 +59,7 @@ from __future__ import annotations
 import enum
 import mmap
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, TypeVar
@@ -70,6 +71,7 @@ from kvswap.client.errors import (
     BarrierAborted,
     BarrierTimeout,
     ErrorCode,
+    KvswapError,
     NamespaceError,
     RankTimeout,
 )
@@ -357,27 +359,86 @@ def now_ns() -> int:
     return time.monotonic_ns()
 
 
+class SegmentClosed(KvswapError):
+    """A :class:`SignalSegment` used after its :meth:`~SignalSegment.close`: raised
+    instead of reading or writing a mapping that may be gone."""
+
+    default_code = ErrorCode.SHUTTING_DOWN
+
+
+def _u64_view(buf: mmap.mmap, shape: tuple[int, ...], offset: int) -> np.ndarray:
+    """A ``<u8`` view of ``buf``.  ``np.frombuffer`` keeps a buffer export on the mmap
+    for as long as the array or any view derived from it lives (a slice, a reshape, a
+    :func:`u64_cells` memoryview), so the mmap refuses to close under it: memory
+    safety does not depend on who closes what when.  ``np.ndarray(buffer=mmap)``
+    would release the export at once and keep a bare pointer, which a later unmap
+    leaves dangling (a read then kills the process with SIGSEGV)."""
+    count = int(np.prod(shape, dtype=np.int64))
+    return np.frombuffer(buf, dtype="<u8", count=count, offset=offset).reshape(shape)
+
+
 class SignalSegment:
-    """A mapped signal segment.  Only the creator may :meth:`unlink` it."""
+    """A mapped signal segment.  Only the creator may :meth:`unlink` it.
+
+    The views (``header``, ``ranks``, ``layers``, ``agree``) raise
+    :class:`SegmentClosed` once :meth:`close` was called.  A view obtained before
+    (kept by a :class:`RankSignals`, a ``LayerProgress``, or a thread that was
+    reading while another closed) keeps the mapping alive until it is dropped."""
 
     def __init__(self, names: Names, shm: posix_ipc.SharedMemory, buf: mmap.mmap,
                  creator: bool, readonly: bool):
         self.names = names
         self._shm = shm
-        self._buf = buf
+        self._buf: mmap.mmap | None = buf
+        self._close_lock = threading.Lock()
         self.creator = creator
         self.readonly = readonly
-        self.header = np.ndarray((HEADER_SLOTS,), dtype="<u8", buffer=buf,
-                                 offset=HEADER_OFFSET)
-        self.tp_size = int(self.header[HeaderSlot.TP_SIZE])
-        self.ranks = np.ndarray((self.tp_size, RANK_SLOTS), dtype="<u8", buffer=buf,
-                                offset=RANKS_OFFSET)
-        self.layers = np.ndarray((self.tp_size, LAYER_SLOTS, LAYER_ENTRY_SLOTS), dtype="<u8",
-                                 buffer=buf, offset=layers_offset(self.tp_size))
-        self.agree = np.ndarray((self.tp_size, AGREE_SLOTS, AGREE_ENTRY_SLOTS), dtype="<u8",
-                                buffer=buf, offset=agree_offset(self.tp_size))
-        self._stats = np.ndarray((self.tp_size, STATS_BYTES // 8), dtype="<u8", buffer=buf,
-                                 offset=stats_offset(self.tp_size))
+        header = _u64_view(buf, (HEADER_SLOTS,), HEADER_OFFSET)
+        self.tp_size = int(header[HeaderSlot.TP_SIZE])
+        tp = self.tp_size
+        self._header: np.ndarray | None = header
+        self._ranks: np.ndarray | None = _u64_view(buf, (tp, RANK_SLOTS), RANKS_OFFSET)
+        self._layers: np.ndarray | None = _u64_view(
+            buf, (tp, LAYER_SLOTS, LAYER_ENTRY_SLOTS), layers_offset(tp))
+        self._agree: np.ndarray | None = _u64_view(
+            buf, (tp, AGREE_SLOTS, AGREE_ENTRY_SLOTS), agree_offset(tp))
+        self._stats: np.ndarray | None = _u64_view(buf, (tp, STATS_BYTES // 8),
+                                                   stats_offset(tp))
+
+    # ------------------------------------------------------------------ views
+    def _closed_error(self) -> SegmentClosed:
+        return SegmentClosed(f"the signal segment {self.names.signals} of namespace "
+                             f"{self.names.namespace!r} was closed by its owner (a "
+                             f"TransferClient, CacheWorker or status reader): open a new one")
+
+    def _open(self, view: np.ndarray | None) -> np.ndarray:
+        if view is None:
+            raise self._closed_error()
+        return view
+
+    @property
+    def closed(self) -> bool:
+        return self._buf is None
+
+    @property
+    def header(self) -> np.ndarray:
+        """The namespace header (:class:`HeaderSlot`)."""
+        return self._open(self._header)
+
+    @property
+    def ranks(self) -> np.ndarray:
+        """``(tp_size, RANK_SLOTS)``: every rank's block (:class:`RankSlot`)."""
+        return self._open(self._ranks)
+
+    @property
+    def layers(self) -> np.ndarray:
+        """``(tp_size, LAYER_SLOTS, LAYER_ENTRY_SLOTS)``: layer-progress rings."""
+        return self._open(self._layers)
+
+    @property
+    def agree(self) -> np.ndarray:
+        """``(tp_size, AGREE_SLOTS, AGREE_ENTRY_SLOTS)``: agreement rings."""
+        return self._open(self._agree)
 
     # ------------------------------------------------------------------ open/close
     @classmethod
@@ -398,7 +459,7 @@ class SignalSegment:
             raise
         finally:
             shm.close_fd()
-        header = np.ndarray((HEADER_SLOTS,), dtype="<u8", buffer=buf)
+        header = _u64_view(buf, (HEADER_SLOTS,), HEADER_OFFSET)
         header[HeaderSlot.TP_SIZE] = tp_size
         header[HeaderSlot.LAYOUT_VERSION] = LAYOUT_VERSION
         header[HeaderSlot.CREATED_UNIX_NS] = time.time_ns()
@@ -427,7 +488,7 @@ class SignalSegment:
             buf = mmap.mmap(shm.fd, size, prot=prot)
         finally:
             shm.close_fd()
-        header = np.ndarray((HEADER_SLOTS,), dtype="<u8", buffer=buf)
+        header = _u64_view(buf, (HEADER_SLOTS,), HEADER_OFFSET)
         magic, version = int(header[HeaderSlot.MAGIC]), int(header[HeaderSlot.LAYOUT_VERSION])
         tp = int(header[HeaderSlot.TP_SIZE])
         del header
@@ -445,17 +506,25 @@ class SignalSegment:
         return cls(names, shm, buf, creator=False, readonly=readonly)
 
     def close(self) -> None:
-        if self._buf is None:
-            return
-        # Views must be dropped before the mmap can close.
-        del self.header, self.ranks, self.layers, self.agree, self._stats
+        """Drop this segment's views and unmap, or leave the unmapping to the last view
+        still alive elsewhere.
+
+        Every view is built by :func:`_u64_view`, which holds a buffer export on the
+        mmap, so ``mmap.close()`` raises ``BufferError`` while any view lives (a
+        ``RankSignals`` or ``RankStats`` a caller kept, a ``LayerProgress`` table, a
+        view another thread is reading right now); the mapping is then released when
+        the last such view is garbage collected, never under a reader.  From here on
+        this object's views raise :class:`SegmentClosed`."""
+        with self._close_lock:
+            buf = self._buf
+            if buf is None:
+                return
+            self._buf = None
+            self._header = self._ranks = self._layers = self._agree = self._stats = None
         try:
-            self._buf.close()
+            buf.close()
         except BufferError:
-            # A caller still holds a view (e.g. a RankSignals); the mapping is
-            # released when that view is garbage collected.
-            pass
-        self._buf = None
+            pass  # a view is still alive: the mapping goes with the last one
 
     def unlink(self) -> None:
         """Remove the segment's name.  Creator only (attachers never unlink)."""
@@ -474,7 +543,7 @@ class SignalSegment:
 
     def stats(self, r: int) -> RankStats:
         n_hist = len(HIST_OPS) * len(HIST_PHASES) * HIST_SLOTS
-        row = self._stats[r]
+        row = self._open(self._stats)[r]
         return RankStats(row[:n_hist].reshape(len(HIST_OPS), len(HIST_PHASES), HIST_SLOTS),
                          row[n_hist:])
 

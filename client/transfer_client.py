@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
+from kvswap.client.auth import AuthFailed, verify
 from kvswap.client.errors import (
     ErrorCode,
     InvalidTask,
@@ -85,7 +86,13 @@ from kvswap.client.protocol import (
     validate_storage,
     validate_transfer,
 )
-from kvswap.client.signals import RankSlot, RankState, SignalSegment, wait_ranks
+from kvswap.client.signals import (
+    RankSlot,
+    RankState,
+    SegmentClosed,
+    SignalSegment,
+    wait_ranks,
+)
 from kvswap.client.transport import Channel, PathChoice, Transport
 
 log = logging.getLogger("kvswap.client")
@@ -188,6 +195,10 @@ class TransferFuture:
         self._error: KvswapError | None = None
         self._result: TaskResult | None = None
         self._callbacks: list[Callable[["TransferFuture"], None]] = []
+        # Runs once if the task succeeds on every rank, before anyone can see the future
+        # done (so before result() returns): what must hold for whoever acts on the
+        # result (clear_caches' model version).  Never on an error or a timeout.
+        self._on_success: Callable[[], None] | None = None
 
     # -- called under the client's lock --------------------------------------------
     def _on_reply(self, reply: Reply) -> bool:
@@ -217,6 +228,8 @@ class TransferFuture:
         with self._lock:
             if self._done:
                 return
+            if result is not None and self._on_success is not None:
+                self._on_success()
             self._result, self._error = result, error
             self.completed = time.perf_counter()
             self._done = True
@@ -293,8 +306,9 @@ class TransferFuture:
 
     def _raise_timeout(self, waited: float) -> None:
         missing = ", ".join(map(str, self.missing_ranks()))
+        why = self._client._why_silent() if self._client is not None else ""
         raise RankTimeout(f"task {self.task_id} ({self.op.value}): rank(s) {missing} have not "
-                          f"answered after {waited:.1f}s")
+                          f"answered after {waited:.1f}s" + (f". {why}" if why else ""))
 
     def exception(self, timeout: float | None = None) -> KvswapError | None:
         try:
@@ -380,9 +394,11 @@ class _Dispatcher:
 
     def __init__(self, tp_size: int, cid: int, wire: Wire, task_timeout: float,
                  rank_epoch: Callable[[int], int], rank_ready: Callable[[int], bool],
-                 describe: Callable[[int], str], signed: bool = False):
+                 describe: Callable[[int], str], signed: bool = False,
+                 why_silent: Callable[[], str] = lambda: ""):
         """``rank_epoch`` / ``rank_ready`` / ``describe`` read a rank's slots of the
-        signal segment; ``wire`` sends."""
+        signal segment; ``wire`` sends; ``why_silent`` says what else may explain a
+        deadline's missing answers (said once, after the ranks')."""
         self.tp_size = tp_size
         self.cid = cid
         self.task_timeout = task_timeout
@@ -391,6 +407,7 @@ class _Dispatcher:
         self._rank_epoch = rank_epoch
         self._rank_ready = rank_ready
         self._describe = describe
+        self._why_silent = why_silent
         self._signed = signed
         self._cs = itertools.count(1)
         self._epochs = [rank_epoch(r) for r in range(tp_size)]  # as we last addressed them
@@ -485,9 +502,11 @@ class _Dispatcher:
             try:
                 missing = fut.missing_ranks()
                 detail = "; ".join(self._describe(r) for r in missing)
+                why = self._why_silent()
                 error = RankTimeout(
                     f"task {tid} ({fut.op.value}) not acknowledged within "
-                    f"{self.task_timeout:.1f}s by {len(missing)} rank(s): {detail}")
+                    f"{self.task_timeout:.1f}s by {len(missing)} rank(s): {detail}"
+                    + (f". {why}" if why else ""))
             except Exception as exc:
                 self.internal_error(f"expiring task {tid}", exc, [fut])
                 continue
@@ -714,6 +733,54 @@ class _Dispatcher:
             self.post(dep)
 
 
+def _client_closed() -> KvswapError:
+    return KvswapError("TransferClient is closed", ErrorCode.SHUTTING_DOWN)
+
+
+def _code_name(code: int) -> str:
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return "(unknown code)"
+
+
+class _SigningWire(Transport):
+    """The client's :class:`Transport`, counting the replies that fail the signature
+    check (a tcp:// client), so that a deadline's :class:`RankTimeout` can say why
+    nothing was answered: with a secret that differs from the daemons', every reply
+    (the daemons' AUTH_FAILED refusals included) fails it.
+
+    Such a reply is dropped and never fails a future fast, by design.  Its bytes are
+    unauthenticated: whoever can put packets on the path could have written them, so
+    acting on them (failing the task the reply names, or every task open on its rank,
+    or completing one) would let any such party end this client's tasks at will, where
+    a signature is meant to let only the daemons do so.  The daemons' own AUTH_FAILED
+    refusal names no task either (a daemon does not echo an id it could not
+    authenticate).  So the tasks end at their deadline, which every one has, and its
+    error explains the drops (:meth:`TransferClient._why_silent`).
+
+    It overrides ``Transport._decode`` (client/transport.py) and must follow it."""
+
+    bad_signatures = 0  # replies dropped for their signature, under the client's lock
+    bad_signature_why = ""
+
+    def _decode(self, frames: list, out: list[Reply], signed: bool) -> None:
+        if signed:
+            assert self._secret is not None
+            try:
+                frames = verify(self._secret, frames)[1]
+            except AuthFailed as exc:
+                self.bad_signatures += 1
+                self.bad_signature_why = exc.message
+                if self.bad_signatures == 1:
+                    log.warning("dropping a reply that fails the signature check (%s): the "
+                                "secret given to TransferClient(secret=...) probably differs "
+                                "from the daemons' (kvswap launch --secret-file); tasks will "
+                                "end at their deadline", exc.message)
+                return
+        super()._decode(frames, out, signed=False)
+
+
 def _closed_error(fut: TransferFuture) -> KvswapError:
     return KvswapError(f"task {fut.task_id} ({fut.op.value}): client closed",
                        ErrorCode.SHUTTING_DOWN)
@@ -778,13 +845,15 @@ class TransferClient:
         self._model_version: str | None = None
         self._secret = bytes(secret) if tcp is not None else None
         self.path = PathChoice(path)
-        self._wire = Transport(self.names, endpoints, self.path, self.cid,
-                               lambda r: int(self.seg.ranks[r, RankSlot.EPOCH]), self._secret)
+        self._wire = _SigningWire(self.names, endpoints, self.path, self.cid,
+                                  lambda r: int(self.seg.ranks[r, RankSlot.EPOCH]),
+                                  self._secret)
         self._ctx = self._wire.ctx
         self._io = _Dispatcher(tp_size, self.cid, self._wire, task_timeout,
                                rank_epoch=lambda r: int(self.seg.ranks[r, RankSlot.EPOCH]),
                                rank_ready=lambda r: self.seg.state_of(r) == RankState.READY,
-                               describe=self._describe, signed=self._secret is not None)
+                               describe=self._describe, why_silent=self._why_silent,
+                               signed=self._secret is not None)
         # Under _lock: the dispatcher, every send, _closed, _idle.  Re-entrant: a
         # done-callback (run under it by the reader) may submit.
         self._lock = threading.RLock()
@@ -805,34 +874,55 @@ class TransferClient:
 
     # ------------------------------------------------------------------ readiness
     def _describe(self, r: int) -> str:
+        """A rank's state, heartbeat, last error and log, for errors that name it."""
         state = self.seg.state_of(r)
         age = self.seg.heartbeat_age_s(r)
         beat = "no heartbeat" if age is None else f"heartbeat {age:.1f}s ago"
-        err = self.seg.ranks[r, RankSlot.LAST_ERROR]
-        extra = f", last error {int(err)}" if err else ""
-        return (f"rank {r} is {state.name} ({beat}{extra}; log "
-                f"{self.names.log_path(r)})")
+        err = int(self.seg.ranks[r, RankSlot.LAST_ERROR])
+        extra = f", last error {err} {_code_name(err)}" if err else ""
+        return f"rank {r} is {state.name} ({beat}{extra}; log {self.names.log_path(r)})"
+
+    def _why_silent(self) -> str:
+        """What explains unanswered tasks besides each rank's state, for a deadline's
+        error: replies dropped because they failed the signature check (under the lock)."""
+        bad = self._wire.bad_signatures
+        if not bad:
+            return ""
+        return (f"{bad} repl{'y' if bad == 1 else 'ies'} to this client failed the signature "
+                f"check ({self._wire.bad_signature_why}) and were dropped unread: the secret "
+                f"given to TransferClient(secret=...) probably differs from the daemons' "
+                f"(kvswap launch --secret-file)")
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Block until every rank is READY, or raise :class:`RankTimeout` naming each
-        rank that is not, with its state and log file."""
+        rank that is not, with its state and log file.
+
+        Another thread's :meth:`close` ends the wait with the closed client's error
+        (SHUTTING_DOWN) within one poll (at most 20 ms)."""
         timeout = check_seconds(timeout, "timeout", positive=False)
         self._check_open()
 
         def ready(r: int) -> bool:
+            self._check_open()
             state = self.seg.state_of(r)
             if state in (RankState.FAILED, RankState.STOPPED, RankState.STOPPING):
                 raise NotReady(f"waiting for all ranks READY: {self._describe(r)}")
             return state == RankState.READY
 
-        wait_ranks(self.seg, range(self.tp_size), ready, timeout, "all ranks READY",
-                   self._describe)
+        try:
+            wait_ranks(self.seg, range(self.tp_size), ready, timeout, "all ranks READY",
+                       self._describe)
+        except SegmentClosed:  # close() ran between _check_open and the read
+            raise _client_closed() from None
 
     def _block_limits(self) -> tuple[int, int]:
         """Smallest device/host block counts over ranks; no bound while a rank has not
         published them yet."""
         self._check_open()
-        ranks = self.seg.ranks
+        try:
+            ranks = self.seg.ranks
+        except SegmentClosed:  # close() ran since _check_open
+            raise _client_closed() from None
         dev = min(ranks[:, RankSlot.NUM_DEVICE_BLOCKS].tolist())  # a few ranks: no numpy reduction
         host = min(ranks[:, RankSlot.NUM_HOST_BLOCKS].tolist())
         if dev and host:
@@ -846,7 +936,7 @@ class TransferClient:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise KvswapError("TransferClient is closed", ErrorCode.SHUTTING_DOWN)
+            raise _client_closed()
 
     # ------------------------------------------------------------------ submission
     def evict(self, device_blocks: Any, host_blocks: Any, *, priority: int = 0,
@@ -1042,17 +1132,33 @@ class TransferClient:
         barrier; the future completes when every rank has.  Transfers meanwhile
         get code CLEARED.
 
-        ``model_version``: the new weights' version.  Every storage request sent
-        after this call uses it (:meth:`set_model_version`), and the host swap pool
-        is freed as with ``free_host=True``, so nothing of the old weights is loaded
-        from host memory or from storage (a HostCache must also ``clear()``)."""
+        ``model_version``: the new weights' version.  The host swap pool is freed as
+        with ``free_host=True``, and once every rank has cleared, every storage
+        request uses the new version (:meth:`set_model_version`): the switch happens
+        before the future is seen done, so storage requests sent after ``result()``
+        returns use it.  Nothing of the old weights is then loaded from host memory
+        or from storage (a HostCache must also ``clear()``).
+
+        The version changes only if every rank cleared.  If any rank refused (e.g.
+        NOT_READY: it was not READY or PAUSED) or failed, or the future timed out,
+        the client keeps its version: a rank that did not clear still holds the old
+        weights' blocks, and a backup under the new version would store them as new.
+        Ranks that did clear have freed their pools; the error names the ranks that
+        refused, failed or did not answer.
+        Bring every rank to READY or PAUSED (``restore_caches()``, re-register,
+        ``wait_ready()``) and clear again; only if you know every pool was freed,
+        :meth:`set_model_version` instead."""
         free = check_flag(free_host, "free_host")
-        if model_version is not None:
-            version = check_model_version(model_version)
+        version = None if model_version is None else check_model_version(model_version)
+        if version is not None:
             free = True
-        fut = self._control(Op.CLEAR, {"free_host": True} if free else None)
-        if model_version is not None:
-            self._model_version = version
+        fut = self._new_future(Op.CLEAR)
+        if version is not None:
+            def switch() -> None:
+                self._model_version = version
+            fut._on_success = switch
+        self._submit([_Envelope(fut, Message(request_header(
+            Op.CLEAR, fut.task_id, {"free_host": True} if free else None), []))])
         return fut
 
     def restore_caches(self) -> TransferFuture:

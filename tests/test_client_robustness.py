@@ -665,3 +665,312 @@ def test_flow_control_keeps_a_window_of_replies_per_rank():
     for env in more:
         d.post(env)
     assert len(wire.take()) == tc.WINDOW
+
+
+# ================================================================== Task D: black-box findings
+# Closing under a reader, refused clears, wrong secrets, bad register/wait_layer input.
+
+_CLOSE_UNDER_A_WAITER = textwrap.dedent("""
+    import sys, threading, time
+    from kvswap.client import CacheTensor, CacheWorker, KvswapError
+    from kvswap.client.naming import Names
+    from kvswap.client.signals import RankSlot, SignalSegment, poll_until
+
+    ns, root = sys.argv[1], sys.argv[2]
+    w = CacheWorker(ns, 0, run_root=root)
+    w.register([CacheTensor("k0", 0, w.alloc_host_tensor("k0", (4, 16), "uint8"))], timeout=20)
+    got = []
+
+    def waiter():
+        try:
+            w.wait_layer(777, 0, timeout=60)  # task 777 never runs
+            got.append("returned")
+        except KvswapError as exc:
+            got.append(f"{exc.code.name}: {exc.message}")
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    # (getattr: a kvswap without the waiter count goes on, and crashes below)
+    assert poll_until(lambda: True if getattr(w._progress, "_waiters", 1) == 1 else None,
+                      time.monotonic() + 20), "the waiter never started waiting"
+    t0 = time.monotonic()
+    w.close()
+    t.join(20)
+    print("waiter", got, t.is_alive(), time.monotonic() - t0 < 5, flush=True)
+    try:
+        w.wait_layer(777, 0, timeout=0.2)
+    except KvswapError as exc:
+        print("after close", exc.code.name, exc.message, flush=True)
+    seg = SignalSegment.attach(Names.of(ns, root), readonly=True)
+    kept, table = seg.rank(0), seg.layers[0]  # views kept past close
+    seg.close()
+    print("kept views", kept[RankSlot.STATE] > 0, int(table[:, 0].sum()) >= 0, flush=True)
+    try:
+        seg.ranks
+    except KvswapError as exc:
+        print("closed segment", type(exc).__name__, exc.code.name, flush=True)
+""")
+
+
+def test_wait_layer_under_or_after_close_raises_instead_of_crashing(namespaces):
+    """wait_layer during or after CacheWorker.close() used to kill the process (SIGSEGV):
+    close() unmapped the signal segment under the layer table's view, and closed the
+    semaphore a waiter slept on.  Now a waiter ends promptly with SHUTTING_DOWN, close()
+    waits for it before closing anything, and a view kept past a segment's close keeps
+    its mapping (run in a child: a regression would kill it, not pytest)."""
+    launcher = namespaces.launch(tp=1, demo_caches=None, wait=False)
+    wait_for_state(launcher, RankState.ATTACHING)
+    names = launcher.names
+    out = subprocess.run([sys.executable, "-c", _CLOSE_UNDER_A_WAITER, names.namespace,
+                          str(names.run_root)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"rc {out.returncode} (-11 is SIGSEGV): {out.stdout}{out.stderr}"
+    assert out.stdout.splitlines() == [
+        "waiter ['SHUTTING_DOWN: rank 0: waiting for layer 0 of task 777: the CacheWorker is "
+        "closed'] False True",
+        "after close SHUTTING_DOWN CacheWorker is closed",
+        "kept views True True",
+        "closed segment SegmentClosed SHUTTING_DOWN",
+    ]
+
+
+def test_layer_progress_names_layer_numbers_and_never_matches_task_0(namespaces):
+    """Task id 0 used to match every unused entry ("task 0 loads 0 layers"); a label
+    names the layer number where the index used to be named; close() under a waiter
+    ends its wait and only then drops the table."""
+    from kvswap.client.layer_progress import LayerProgress
+    from kvswap.client.signals import SignalSegment, create_semaphores, unlink_semaphores
+
+    names = namespaces.new()
+    seg = SignalSegment.create(names, 1)
+    create_semaphores(names, 1)
+    writer = LayerProgress(seg, 0)
+    reader = LayerProgress(seg, 0, owner="CacheWorker")
+    try:
+        assert reader.status(0) is None
+        writer.begin(41, 2)
+        with pytest.raises(ValueError, match=r"task 41 loads 2 layers; layer 100 \(index 2 of "
+                                             r"the registered layers\) does not exist"):
+            reader.wait(41, 2, timeout=5, label=100)
+        with pytest.raises(RankTimeout, match=r"rank 0: layer 7 of task 41 not ready after "
+                                              r"0\.050s \(0 of 2 layers done\)"):
+            reader.wait(41, 1, timeout=0.05, label=7)
+        got: list[BaseException] = []
+        t = threading.Thread(target=lambda: got.append(
+            pytest.raises(KvswapError, reader.wait, 41, 1, 60, 7).value))
+        t.start()
+        assert poll_until(lambda: True if reader._waiters == 1 else None,
+                          time.monotonic() + 20)
+        reader.close()
+        t.join(20)
+        assert not t.is_alive() and got[0].code == ErrorCode.SHUTTING_DOWN
+        assert "waiting for layer 7 of task 41: the CacheWorker is closed" in str(got[0])
+        with pytest.raises(KvswapError, match="the CacheWorker is closed"):
+            reader.table
+    finally:
+        writer.close()
+        reader.close()
+        seg.close()
+        seg.unlink()
+        unlink_semaphores(names, 1)
+
+
+def test_wait_layer_checks_its_arguments_and_names_the_layer(namespaces):
+    """timeout=nan used to raise posix_ipc.ExistentialError, inf wait for ever, "1" a raw
+    TypeError; with layers [3, 7, 100], a timeout named layer 0 (the index of layer 3)."""
+    from kvswap.client import CacheTensor, CacheWorker
+
+    launcher = namespaces.launch(tp=1, demo_caches=None, wait=False, host_blocks=8)
+    wait_for_state(launcher, RankState.ATTACHING)
+    names = launcher.names
+    w = CacheWorker(names.namespace, 0, run_root=str(names.run_root))
+    try:
+        with pytest.raises(InvalidTask, match="before register"):
+            w.wait_layer(1, 3, timeout=1)
+        tensors = []
+        for layer in (7, 3, 100):  # out of order, not contiguous
+            arr = w.alloc_host_tensor(f"k{layer}", (8, 16), "uint8")
+            arr[:] = layer
+            tensors.append(CacheTensor(f"k{layer}", layer, arr))
+        w.register(tensors, timeout=20)
+        for bad in (float("nan"), float("inf"), 1e300, -1):
+            with pytest.raises(InvalidTask, match="timeout must be finite and >= 0 seconds"):
+                w.wait_layer(1, 3, timeout=bad)
+        with pytest.raises(InvalidTask, match="timeout must be a number of seconds, got str"):
+            w.wait_layer(1, 3, timeout="1")
+        for bad in (0, -5, True, "1"):  # 0: what every unused progress entry holds
+            with pytest.raises(InvalidTask, match=r"task_id \(a layer-wise load's "):
+                w.wait_layer(bad, 3, timeout=1)
+        for bad in (3.0, True, None):
+            with pytest.raises(InvalidTask, match="layer must be an int"):
+                w.wait_layer(1, bad, timeout=1)
+        with pytest.raises(InvalidTask, match=r"layer 5 is not a layer of the registered "
+                                              r"tensors \[3, 7, 100\]"):
+            w.wait_layer(1, 5, timeout=1)
+        with pytest.raises(RankTimeout, match=r"rank 0: layer 100 of task 12345 not ready "
+                                              r"after 0\.050s \(not started\)"):
+            w.wait_layer(12345, 100, timeout=0.05)
+        client = _client(launcher)
+        try:
+            client.evict([0], [0]).result()
+            fut = client.load([0], [1], layerwise=True)
+            for layer in (3, 7, 100):
+                w.wait_layer(fut.task_id, layer, timeout=20)
+                assert int(tensors[(7, 3, 100).index(layer)].array[1, 0]) == layer
+            fut.result()
+        finally:
+            client.close()
+    finally:
+        w.close()
+
+
+def test_register_refuses_bad_tensors_and_a_header_over_the_daemons_limit(namespaces):
+    """layer=1.7 used to register as layer 1, nan/None raised raw ValueError/TypeError, a
+    tuple a raw AttributeError; a register past the daemon's header limit got no reply
+    (the daemon cannot read its id) and waited out its timeout.  Each now raises at once,
+    naming the tensor and the cause, and leaves the worker as it was."""
+    from kvswap.client import CacheTensor, CacheWorker
+
+    launcher = namespaces.launch(tp=1, demo_caches=None, wait=False, host_blocks=4)
+    wait_for_state(launcher, RankState.ATTACHING)
+    names = launcher.names
+    w = CacheWorker(names.namespace, 0, run_root=str(names.run_root))
+    try:
+        k0 = CacheTensor("k0", 0, w.alloc_host_tensor("k0", (2, 8), "uint8"))
+        arr = w.alloc_host_tensor("k1", (2, 8), "uint8")
+        for bad in (1.7, float("nan"), None, True, -1):
+            with pytest.raises(InvalidTask, match=r"tensors\[1\] \('k1'\): layer \(the model "
+                                                  r"layer number\) "):
+                w.register([k0, CacheTensor("k1", bad, arr)], timeout=20)
+        with pytest.raises(InvalidTask, match=r"tensors\[0\] must be a CacheTensor\(name, "
+                                              r"layer, array\), got tuple"):
+            w.register([("k0", 0, k0.array)], timeout=20)
+        many = [CacheTensor(k0.name, 0, k0.array)]
+        for i in range(6000):  # ~210 header bytes each with 64-character names
+            name = f"t{i:05d}".ljust(64, "x")
+            many.append(CacheTensor(name, 1, w.alloc_host_tensor(name, (2, 8), "uint8")))
+        t0 = time.monotonic()
+        with pytest.raises(InvalidTask) as ei:
+            w.register(many, timeout=10)
+        assert time.monotonic() - t0 < 5
+        assert ei.value.code == ErrorCode.MESSAGE_TOO_LARGE
+        assert f"over the daemon's limit of {MAX_HEADER_BYTES}" in ei.value.message
+        assert "6001 tensor(s)" in ei.value.message and "nothing was sent" in ei.value.message
+        w.register([k0, CacheTensor("k1", 1, arr)], timeout=20)  # the worker is unharmed
+        with pytest.raises(RankTimeout, match="layer 1 of task 5 not ready"):
+            w.wait_layer(5, 1, timeout=0.01)
+    finally:
+        w.close()
+
+
+def test_close_ends_wait_ready_in_other_threads_with_the_closed_error(namespaces):
+    """Closing a client while other threads were in wait_ready used to end them with a raw
+    AttributeError ('SignalSegment' object has no attribute 'ranks')."""
+    launcher = namespaces.launch(tp=1, demo_caches=None, wait=False)  # stays ATTACHING
+    wait_for_state(launcher, RankState.ATTACHING)
+    names = launcher.names
+    for _ in range(5):
+        client = TransferClient(names.namespace, 1, run_root=str(names.run_root))
+        looks: list[int] = []
+        state_of = client.seg.state_of
+        client.seg.state_of = lambda r: (looks.append(r), state_of(r))[1]
+        errors: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                client.wait_ready(60)
+            except Exception as exc:  # noqa: BLE001 - the test looks at what it was
+                errors.append(exc)
+
+        threads = [threading.Thread(target=wait) for _ in range(4)]
+        for t in threads:
+            t.start()
+        assert poll_until(lambda: True if len(looks) >= 4 else None, time.monotonic() + 20)
+        client.close()
+        for t in threads:
+            t.join(20)
+        assert not any(t.is_alive() for t in threads)
+        assert len(errors) == 4
+        for exc in errors:
+            assert isinstance(exc, KvswapError), repr(exc)
+            assert exc.code == ErrorCode.SHUTTING_DOWN and "TransferClient is closed" in str(exc)
+
+
+def test_a_clear_switches_the_model_version_only_when_every_rank_cleared():
+    """The hook clear_caches(model_version=...) sets runs before the future is seen done,
+    and only on success: one rank refusing (a partial success) or a timeout keeps it."""
+    def clear_future(calls: list[bool]) -> TransferFuture:
+        fut = TransferFuture(next(_ids), Op.CLEAR, range(2), time.monotonic() + 30)
+        fut._on_success = lambda: calls.append(fut.done())
+        return fut
+
+    calls: list[bool] = []
+    fut = clear_future(calls)
+    fut._on_reply(_ok(fut, 0))
+    fut._on_reply(Reply(fut.task_id, 1, False, ErrorCode.NOT_READY, "rank 1 is CLEARED"))
+    assert isinstance(fut.exception(0), TransferFailed) and calls == []
+    d, _, _ = _dispatcher()
+    late = _Envelope(clear_future(calls), Message(request_header(Op.CLEAR, 1), []))
+    d.post(late)
+    d.on_reply(_ok(late.carrier, 0))
+    d.expire(time.monotonic() + 60)
+    assert isinstance(late.carrier.exception(0), RankTimeout) and calls == []
+    fut = clear_future(calls)
+    fut._on_reply(_ok(fut, 0))
+    fut._on_reply(_ok(fut, 1))
+    assert calls == [False] and fut.done()  # switched before anyone could see it done
+
+
+def test_a_refused_clear_keeps_the_model_version(namespaces, tmp_path):
+    """clear_caches(model_version="v2") refused (the rank was CLEARED with its pool kept)
+    used to switch the client to v2 all the same, so the next backup stored the old
+    weights' block under v2.  Now the version is unchanged; a clear that succeeds
+    switches it before result() returns."""
+    from kvswap.client import block_hashes
+
+    url = f"file://{tmp_path}/store"
+    launcher = namespaces.launch(tp=1, demo_caches=SMALL_LAYOUT, host_blocks=16,
+                                 storage_url=url, model_version="v1")
+    client = _client(launcher, task_timeout=30)
+    try:
+        keys = block_hashes(list(range(16)), 16)
+        client.evict([1], [1]).result()  # host block 1: the old weights'
+        client.pause().result()
+        client.clear_caches().result()  # keeps the host pool: CLEARED
+        with pytest.raises(TransferFailed) as ei:
+            client.clear_caches(model_version="v2").result()
+        assert ei.value.code == ErrorCode.NOT_READY
+        client.restore_caches().result()
+        client.wait_ready(30)
+        assert client.backup([1], keys).result().count == 1  # under v1, as it must
+        client.set_model_version("v2")
+        assert client.exists(keys).result().count == 0  # nothing old under v2
+        client.set_model_version("v1")
+        assert client.exists(keys).result().count == 1
+        client.clear_caches(model_version="v3").result()
+        assert client._model_version == "v3"  # already when result() returned
+    finally:
+        client.close()
+
+
+def test_a_wrong_tcp_secret_is_named_in_the_deadline_error(namespaces, tmp_path):
+    """With a secret other than the daemons', every reply fails the signature check and
+    is dropped (never trusted: see _SigningWire); the deadline's error used to say only
+    'last error 106'.  It now says what was dropped and which option to fix."""
+    from kvswap.daemon.storage.local_servers import free_port
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"A" * 32)
+    secret.chmod(0o600)
+    port = free_port()
+    launcher = namespaces.launch(tp=1, demo_caches=SMALL_LAYOUT, host_blocks=8,
+                                 tcp=f"127.0.0.1:{port}", secret_file=str(secret))
+    names = launcher.names
+    with TransferClient(names.namespace, 1, run_root=str(names.run_root), task_timeout=1,
+                        tcp=f"127.0.0.1:{port}", secret=b"B" * 32) as client:
+        with pytest.raises(RankTimeout) as ei:
+            client.evict([1], [1]).result()
+    text = str(ei.value)
+    assert "last error 106 AUTH_FAILED" in text
+    assert "1 reply to this client failed the signature check (bad signature)" in text
+    assert "TransferClient(secret=...) probably differs" in text
+    assert "--secret-file" in text

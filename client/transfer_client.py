@@ -49,7 +49,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import numpy as np
-from kvswap.client.auth import AuthFailed, verify
 from kvswap.client.errors import (
     ErrorCode,
     InvalidTask,
@@ -744,43 +743,6 @@ def _code_name(code: int) -> str:
         return "(unknown code)"
 
 
-class _SigningWire(Transport):
-    """The client's :class:`Transport`, counting the replies that fail the signature
-    check (a tcp:// client), so that a deadline's :class:`RankTimeout` can say why
-    nothing was answered: with a secret that differs from the daemons', every reply
-    (the daemons' AUTH_FAILED refusals included) fails it.
-
-    Such a reply is dropped and never fails a future fast, by design.  Its bytes are
-    unauthenticated: whoever can put packets on the path could have written them, so
-    acting on them (failing the task the reply names, or every task open on its rank,
-    or completing one) would let any such party end this client's tasks at will, where
-    a signature is meant to let only the daemons do so.  The daemons' own AUTH_FAILED
-    refusal names no task either (a daemon does not echo an id it could not
-    authenticate).  So the tasks end at their deadline, which every one has, and its
-    error explains the drops (:meth:`TransferClient._why_silent`).
-
-    It overrides ``Transport._decode`` (client/transport.py) and must follow it."""
-
-    bad_signatures = 0  # replies dropped for their signature, under the client's lock
-    bad_signature_why = ""
-
-    def _decode(self, frames: list, out: list[Reply], signed: bool) -> None:
-        if signed:
-            assert self._secret is not None
-            try:
-                frames = verify(self._secret, frames)[1]
-            except AuthFailed as exc:
-                self.bad_signatures += 1
-                self.bad_signature_why = exc.message
-                if self.bad_signatures == 1:
-                    log.warning("dropping a reply that fails the signature check (%s): the "
-                                "secret given to TransferClient(secret=...) probably differs "
-                                "from the daemons' (kvswap launch --secret-file); tasks will "
-                                "end at their deadline", exc.message)
-                return
-        super()._decode(frames, out, signed=False)
-
-
 def _closed_error(fut: TransferFuture) -> KvswapError:
     return KvswapError(f"task {fut.task_id} ({fut.op.value}): client closed",
                        ErrorCode.SHUTTING_DOWN)
@@ -845,9 +807,8 @@ class TransferClient:
         self._model_version: str | None = None
         self._secret = bytes(secret) if tcp is not None else None
         self.path = PathChoice(path)
-        self._wire = _SigningWire(self.names, endpoints, self.path, self.cid,
-                                  lambda r: int(self.seg.ranks[r, RankSlot.EPOCH]),
-                                  self._secret)
+        self._wire = Transport(self.names, endpoints, self.path, self.cid,
+                               lambda r: int(self.seg.ranks[r, RankSlot.EPOCH]), self._secret)
         self._ctx = self._wire.ctx
         self._io = _Dispatcher(tp_size, self.cid, self._wire, task_timeout,
                                rank_epoch=lambda r: int(self.seg.ranks[r, RankSlot.EPOCH]),

@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 
 import zmq
 
-from kvswap.client.auth import sign, verify
+from kvswap.client.auth import AuthFailed, sign, verify
 from kvswap.client.errors import KvswapError
 from kvswap.client.naming import Names
 from kvswap.client.protocol import Reply, decode_reply
@@ -74,6 +74,10 @@ class Transport:
         self._retry_at = [0.0] * len(endpoints)
         self._why: list[str] = [""] * len(endpoints)  # why a rank has no ring (logged once)
         self._look = False  # see take_look
+        # Replies dropped for failing the signature check (tcp://), and the last reason;
+        # read by the client for a deadline's error (reader thread, under its lock).
+        self.bad_signatures = 0
+        self.bad_signature_why = ""
 
     # ------------------------------------------------------------------ sending
     def channel(self, frames: Sequence[object], rank: int) -> Channel:
@@ -173,11 +177,29 @@ class Transport:
         return out
 
     def _decode(self, frames: list, out: list[Reply], signed: bool) -> None:
+        """Append the reply in ``frames`` to ``out``, or drop it.
+
+        A reply that fails the signature check is dropped and counted, never acted
+        on: its bytes are unauthenticated, and whoever can put packets on the path
+        could have written them, so failing or completing the task it names (or
+        every task open on its rank) would let any such party end this client's
+        tasks, where the signature is meant to let only the daemons do so.  A
+        daemon's AUTH_FAILED refusal, the reply a wrong secret gets, names no task
+        either (it does not echo an id it could not authenticate).  The tasks end
+        at their deadline, whose error says how many replies were dropped and why."""
         try:
             if signed:
                 assert self._secret is not None
                 frames = verify(self._secret, frames)[1]
             out.append(decode_reply(frames[0]))
+        except AuthFailed as exc:
+            self.bad_signatures += 1
+            self.bad_signature_why = exc.message
+            if self.bad_signatures == 1:
+                log.warning("dropping a reply that fails the signature check (%s): the secret "
+                            "given to TransferClient(secret=...) probably differs from the "
+                            "daemons' (kvswap launch --secret-file); tasks will end at their "
+                            "deadline", exc.message)
         except KvswapError as exc:
             log.warning("dropping bad reply: %s", exc)
 

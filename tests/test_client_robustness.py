@@ -954,7 +954,7 @@ def test_a_refused_clear_keeps_the_model_version(namespaces, tmp_path):
 
 def test_a_wrong_tcp_secret_is_named_in_the_deadline_error(namespaces, tmp_path):
     """With a secret other than the daemons', every reply fails the signature check and
-    is dropped (never trusted: see _SigningWire); the deadline's error used to say only
+    is dropped (never trusted: see Transport._decode); the deadline's error used to say only
     'last error 106'.  It now says what was dropped and which option to fix."""
     from kvswap.daemon.storage.local_servers import free_port
 

@@ -62,16 +62,22 @@ import collections
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Hashable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
 from kvswap.client.block_keys import storage_key
-from kvswap.client.errors import ErrorCode, KvswapError, RankTimeout
+from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, RankTimeout
 from kvswap.client.host_cache_arc import ArcIndex
 from kvswap.client.host_cache_index import BlockIndex, LruIndex, show
 from kvswap.client.host_cache_persist import KEY_BYTES, PersistedIndex
-from kvswap.client.protocol import PrefetchOptions, as_block_ids, first_duplicate
+from kvswap.client.protocol import (
+    PrefetchOptions,
+    as_block_ids,
+    check_flag,
+    check_seconds,
+    first_duplicate,
+)
 from kvswap.client.signals import RankSlot
 
 if TYPE_CHECKING:
@@ -146,9 +152,10 @@ class CacheFuture:
 
     def result(self, timeout: float | None = None) -> CacheTransfer:
         """Wait (``None``: until the tasks' deadlines, which always come) and return the
-        :class:`CacheTransfer`, or raise the transfer's error."""
-        wait = self._limit_s + 5.0 if timeout is None else timeout
-        if not self._event.wait(wait):
+        :class:`CacheTransfer`, or raise the transfer's error.  ``timeout`` is checked
+        as ``TransferFuture.result`` checks it (:func:`_wait_seconds`)."""
+        wait = self._limit_s + 5.0 if timeout is None else _wait_seconds(timeout)
+        if not self._event.wait(min(wait, threading.TIMEOUT_MAX)):
             ids = ", ".join(str(f.task_id) for f in self.transfers)
             raise RankTimeout(f"host-tier transfer (task {ids}) not finished after {wait:.1f}s")
         if self._error is not None:
@@ -157,11 +164,53 @@ class CacheFuture:
         return self._result
 
     def exception(self, timeout: float | None = None) -> KvswapError | None:
+        """The transfer's error, or None once it succeeded.  A bad ``timeout`` raises
+        (checked before the wait): returning it would read as the transfer's error."""
+        if timeout is not None:
+            _wait_seconds(timeout)
         try:
             self.result(timeout)
         except KvswapError as exc:
             return exc
         return None
+
+
+def _wait_seconds(timeout: object) -> float:
+    """A wait in seconds: a finite number >= 0, as for ``TransferFuture.result``.  The
+    check comes first because ``threading.Event.wait`` overflows on ``inf`` and huge
+    values, raises a bare TypeError on a string and returns at once on ``nan``."""
+    try:
+        return check_seconds(timeout, "timeout", positive=False)
+    except InvalidTask as exc:
+        raise InvalidTask(f"{exc.message}; pass None to wait until the transfers' deadlines "
+                          f"(they always come)", exc.code) from None
+
+
+def _as_hashes(hashes: Iterable[Hashable], call: str) -> Sequence[Hashable]:
+    """The call's hashes as a list or tuple, taken in full before the index is touched.
+
+    The index walks a call's hashes more than once (to undo the steps of a refused
+    ``prepare_load``, or to check ``persist=`` keys before ``prepare_store``); a
+    one-shot iterator would be empty the second time, leaving a protection that
+    nothing can release or a store of nothing.  Lists and tuples, the usual case,
+    pass as they are (no copy on the hot path); other iterables are read once.  A
+    single str/bytes value is refused (its characters would be taken as hashes), and
+    so is a set (the order of the hashes is their meaning: prefix, recency)."""
+    if isinstance(hashes, (list, tuple)):
+        return hashes
+    t = type(hashes)
+    if isinstance(hashes, (str, bytes, bytearray, memoryview)):
+        raise ValueError(f"{call}: hashes must be a sequence of hashes, got one {t.__name__} "
+                         f"value; pass a list, e.g. [h]")
+    if isinstance(hashes, (set, frozenset)):
+        raise ValueError(f"{call}: hashes must be in block order, got a {t.__name__} (no "
+                         f"order); pass a list")
+    try:
+        it = iter(hashes)
+    except TypeError:
+        raise ValueError(f"{call}: hashes must be a sequence of hashes, got {t.__name__} "
+                         f"{hashes!r:.60}; pass a list in block order") from None
+    return list(it)
 
 
 def _ended(f: "TransferFuture") -> tuple["TaskResult | None", KvswapError | None]:
@@ -181,17 +230,21 @@ class HostCache:
     that never calls :meth:`take_events` must say so, or they accumulate).
 
     Hashes are any hashable values (ints, the bytes of ``block_hashes()``), passed
-    as a sequence.  Errors (a hash not ready for ``prepare_load``, a
-    ``complete_load`` without a load) are ``ValueError`` naming the hash, raised
-    before anything changed.
+    as a list or tuple in block order (any other iterable is read once into a list;
+    one str/bytes value or a set is refused).  Errors (a hash not ready for
+    ``prepare_load``, a ``complete_load`` without a load, an argument of the wrong
+    type) are ``ValueError`` naming the cause, raised before anything changed; an
+    unhashable hash raises ``TypeError``, also with nothing changed.
     """
 
     def __init__(self, num_blocks: int, policy: str = "lru", *, events: bool = True,
                  persist: str | None = None, run_root: str | None = None):
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if not isinstance(policy, str) or policy not in POLICIES:  # a list is unhashable
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r:.60}")
+        # a truthy non-bool would record events an engine that passed "no" never takes
+        events = check_flag(events, "events")
         self._index = POLICIES[policy](num_blocks)
         # persist=namespace: the index is mirrored in the namespace's shm and a successor
         # engine starts with the blocks still good (host_cache_persist, engine restarts)
@@ -239,9 +292,10 @@ class HostCache:
         return self._index.policy
 
     # ------------------------------------------------------------------ contract
-    def lookup(self, hashes: Sequence[Hashable]) -> int:
+    def lookup(self, hashes: Iterable[Hashable]) -> int:
         """How many leading ``hashes`` are ready in host memory (stops at the first
         one that is missing or whose store has not completed)."""
+        hashes = _as_hashes(hashes, "lookup")
         if self._done:
             self._drain()
         n = self._index.lookup(hashes)
@@ -252,34 +306,39 @@ class HostCache:
             self._publisher.maybe_write(self)
         return n
 
-    def prepare_load(self, hashes: Sequence[Hashable]) -> np.ndarray:
+    def prepare_load(self, hashes: Iterable[Hashable]) -> np.ndarray:
         """Host block ids of ``hashes`` (int64, same order), protected from eviction
         until :meth:`complete_load`.  Every hash must be ready (``lookup``)."""
+        hashes = _as_hashes(hashes, "prepare_load")
         if self._done:
             self._drain()
         ids = self._index.prepare_load(hashes)
         self._loads += len(ids)
         return np.array(ids, dtype=np.int64)
 
-    def complete_load(self, hashes: Sequence[Hashable]) -> None:
+    def complete_load(self, hashes: Iterable[Hashable]) -> None:
+        """End one load of each of ``hashes`` (its :meth:`prepare_load` protection)."""
+        hashes = _as_hashes(hashes, "complete_load")
         if self._done:
             self._drain()
         self._index.complete_load(hashes)
 
-    def touch(self, hashes: Sequence[Hashable]) -> None:
+    def touch(self, hashes: Iterable[Hashable]) -> None:
         """Mark ``hashes`` used: afterwards ``hashes[0]`` is the most recent, then
         ``hashes[1]``, ...  Hashes not in the index are ignored.  ("arc": a ready
         block of T1 moves to T2, the most recent end.)"""
+        hashes = _as_hashes(hashes, "touch")
         if self._done:
             self._drain()
         self._index.touch(hashes)
 
-    def prepare_store(self, hashes: Sequence[Hashable]) -> StoreOutput | None:
+    def prepare_store(self, hashes: Iterable[Hashable]) -> StoreOutput | None:
         """Give host blocks to the hashes not stored yet (ready or pending), free ids
         first, evicting only what must go: ready blocks that no load protects and
         that are not among ``hashes``.  New blocks are the most recent, the last one
         newest; they cannot be looked up or evicted until :meth:`complete_store`.
         None, with nothing changed, when they cannot all get a block."""
+        hashes = _as_hashes(hashes, "prepare_store")
         if self._done:
             self._drain()
         if self._persist is not None:
@@ -297,10 +356,13 @@ class HostCache:
                 self._events.append(CacheEvent(evicted, True))
         return StoreOutput(new, np.array(ids, dtype=np.int64), evicted)
 
-    def complete_store(self, hashes: Sequence[Hashable], success: bool = True) -> None:
+    def complete_store(self, hashes: Iterable[Hashable], success: bool = True) -> None:
         """End the pending stores among ``hashes`` (others are ignored, so the list
         given to prepare_store may be passed as is): ``success`` makes them ready and
-        lookup-able, else their host blocks are freed for reuse."""
+        lookup-able, else their host blocks are freed for reuse.  ``success`` must be
+        True or False: a truthy "no" would make blocks whose store failed lookup-able."""
+        hashes = _as_hashes(hashes, "complete_store")
+        success = check_flag(success, "complete_store: success")
         if self._done:
             self._drain()
         self._complete_store(hashes, success)
@@ -393,9 +455,11 @@ class HostCache:
         """Publish this cache's statistics for ``kvswap status`` and ``kvswap metrics``
         in ``/kvswap.<ns>.hostcache`` (``docs/signals.md``), refreshed at most every
         ``interval_s`` by lookup() and poll().  One publisher per namespace; the
-        segment is removed by :meth:`close` (or with the namespace)."""
-        from kvswap.client.host_cache_stats import HostCacheStatsWriter
+        segment is removed by :meth:`close` (or with the namespace).  ``interval_s``:
+        seconds, finite, >= 0 (0: every call), at most a year."""
+        from kvswap.client.host_cache_stats import HostCacheStatsWriter, check_interval
 
+        check_interval(interval_s)  # before the segment exists: a refusal leaves none
         if self._publisher is not None:
             raise ValueError("this HostCache already publishes its statistics")
         self._publisher = HostCacheStatsWriter.create(namespace, run_root, interval_s)
@@ -419,7 +483,7 @@ class HostCache:
         self.close()
 
     # ------------------------------------------------------------------ wired to the daemons
-    def offload(self, client: "TransferClient", hashes: Sequence[Hashable], device_blocks: Any,
+    def offload(self, client: "TransferClient", hashes: Iterable[Hashable], device_blocks: Any,
                 *, backup: bool = False) -> CacheFuture:
         """Store device blocks in the host tier: ``prepare_store(hashes)``, then evict
         only the device blocks of ``out.hashes`` (``device_blocks[i]`` holds
@@ -436,7 +500,8 @@ class HostCache:
 
         The engine must have finished writing the device blocks (its compute stream
         is done with them) before calling this."""
-        hashes = list(hashes)
+        backup = check_flag(backup, "offload: backup")
+        hashes = list(_as_hashes(hashes, "offload"))
         dev = as_block_ids(device_blocks, "device_blocks")
         self._check_client(client)
         _check_pairs(client, hashes, dev, unique=False)
@@ -486,7 +551,7 @@ class HostCache:
         evict.add_done_callback(on_evict)
         return cf
 
-    def fetch(self, client: "TransferClient", hashes: Sequence[Hashable], device_blocks: Any,
+    def fetch(self, client: "TransferClient", hashes: Iterable[Hashable], device_blocks: Any,
               *, prepared: bool = False) -> CacheFuture:
         """Load host blocks into device blocks: ``prepare_load(hashes)``, the load,
         ``touch(hashes)``, and ``complete_load`` when the load ends (success or not).
@@ -496,7 +561,8 @@ class HostCache:
         ``prepared=True``: the caller already called ``prepare_load`` (and ``touch``),
         e.g. to protect the hits before evicting device blocks to make room for
         them; fetch then only loads and completes the load."""
-        hashes = list(hashes)
+        prepared = check_flag(prepared, "fetch: prepared")
+        hashes = list(_as_hashes(hashes, "fetch"))
         dev = as_block_ids(device_blocks, "device_blocks")
         self._check_client(client)
         _check_pairs(client, hashes, dev, unique=True)
@@ -507,8 +573,9 @@ class HostCache:
         try:
             load = client.load(ids, dev)
         except BaseException:
-            if not prepared:
+            if not prepared:  # undo prepare_load, its count included
                 self._index.complete_load(hashes)
+                self._loads -= len(ids)
             raise
         if not prepared:
             self._index.touch(hashes)
@@ -523,7 +590,7 @@ class HostCache:
         load.add_done_callback(on_load)
         return cf
 
-    def prefetch(self, client: "TransferClient", hashes: Sequence[Hashable], *,
+    def prefetch(self, client: "TransferClient", hashes: Iterable[Hashable], *,
                  policy: str = "wait_complete", timeout: float | None = None,
                  min_blocks: int = 0) -> CacheFuture:
         """Storage tier -> host tier (a namespace launched with ``--storage``): the
@@ -540,7 +607,7 @@ class HostCache:
         evicted to make room)."""
         PrefetchOptions.of(policy, timeout, min_blocks)
         self._check_client(client)
-        hashes = list(hashes)
+        hashes = list(_as_hashes(hashes, "prefetch"))
         keys = {h: storage_key(h) for h in hashes}
         if min_blocks:
             new = [h for h in dict.fromkeys(hashes) if h not in self]

@@ -37,6 +37,7 @@ import posix_ipc
 
 from kvswap.client.errors import NamespaceError
 from kvswap.client.naming import Names
+from kvswap.client.protocol import MAX_SECONDS, check_seconds
 from kvswap.client.shm_region import SegmentExists, ShmRegion, unlink_shm
 from kvswap.client.signals import SignalSegment, now_ns, pid_alive
 
@@ -53,6 +54,13 @@ POLICY_CODES = {"lru": 0, "arc": 1}
 # up after about 10 ms, which a busy 2-core machine exceeds (measured: a status read
 # showed no host tier while the publisher ran).
 READ_PATIENCE_S = 0.25
+
+
+def check_interval(interval_s: object) -> float:
+    """The publishing interval: seconds, finite, >= 0, at most :data:`MAX_SECONDS`.
+    Checked before the segment is created, so a refusal leaves no segment behind
+    (``inf`` used to pass a ``>= 0`` test and overflow once the segment existed)."""
+    return check_seconds(interval_s, "publish: interval_s", positive=False, most=MAX_SECONDS)
 
 
 @dataclass(frozen=True)
@@ -98,8 +106,7 @@ class HostCacheStatsWriter:
 
     @classmethod
     def create(cls, namespace: str, run_root: str | None, interval_s: float) -> "HostCacheStatsWriter":
-        if not interval_s >= 0:
-            raise ValueError(f"interval_s must be >= 0, got {interval_s!r}")
+        interval_s = check_interval(interval_s)  # before the segment exists
         names = Names.of(namespace, run_root)
         SignalSegment.attach(names, readonly=True).close()  # the namespace must exist
         try:

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 
 import numpy as np
 import pytest
 
 from kvswap.client import HostCache
 from kvswap.client.block_keys import KEY_BYTES, block_hashes, storage_key
-from kvswap.client.host_cache import CacheEvent
+from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError
+from kvswap.client.host_cache import CacheEvent, CacheFuture, CacheTransfer
+from kvswap.client.signals import RankSlot
 
 BOTH = pytest.mark.parametrize("policy", ["lru", "arc"])
 
@@ -417,3 +420,176 @@ def test_storage_key_keeps_32_byte_keys_and_digests_the_rest():
 def test_storage_key_refuses_values_without_a_stable_encoding(bad):
     with pytest.raises(TypeError, match="int, str, bytes or a tuple"):
         storage_key(bad)
+
+
+# ------------------------------------------------------------------ bad arguments change nothing
+
+
+class _FakePersist:
+    """Stands in for the shm mirror of ``persist=`` (which needs a namespace)."""
+
+    def unready(self, ids) -> None:
+        pass
+
+    def ready(self, keys, ids) -> None:
+        pass
+
+
+class _FailingClient:
+    """A client that passes HostCache's checks (open, no pool sizes published yet)
+    and whose sends fail, as a send on a client closed meanwhile does."""
+
+    closed = False
+    task_timeout = 5.0
+
+    def __init__(self):
+        self.seg = type("Seg", (), {"ranks": np.zeros((1, max(RankSlot) + 1), np.int64)})()
+
+    def load(self, *args, **kw):
+        raise KvswapError("send failed", ErrorCode.SHUTTING_DOWN)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -1, "1", True])
+@pytest.mark.parametrize("call", ["result", "exception"])
+def test_cache_future_timeout_is_checked_before_waiting(bad, call):
+    """inf used to overflow in Event.wait, "1" raised a bare TypeError, nan and -1
+    timed out at once; exception() must raise the refusal, not return it."""
+    fut = CacheFuture(60.0)
+    with pytest.raises(InvalidTask, match="timeout.*pass None to wait") as ei:
+        getattr(fut, call)(bad)
+    assert ei.value.code == ErrorCode.BAD_FIELD and not fut.done()
+
+
+def test_cache_future_wait_is_capped_where_threading_can_wait():
+    """A huge finite timeout is accepted, as TransferFuture.result accepts it, and
+    waits at most threading.TIMEOUT_MAX (1e300 used to raise OverflowError)."""
+    fut = CacheFuture(60.0)
+    asked = []
+
+    class Recording(threading.Event):
+        def wait(self, timeout=None):
+            asked.append(timeout)
+            fut._finish(CacheTransfer([], np.empty(0, np.int64)))
+            return True
+
+    fut._event = Recording()
+    assert fut.result(1e300).hashes == [] and asked == [threading.TIMEOUT_MAX]
+
+
+@pytest.mark.parametrize("policy", [["lru"], None, 1, b"lru"])
+def test_policy_of_another_type_is_refused_naming_the_choices(policy):
+    with pytest.raises(ValueError, match="lru, arc"):  # a list used to raise "unhashable"
+        HostCache(4, policy)
+
+
+@pytest.mark.parametrize("flag", ["no", 0, None])
+def test_events_must_be_a_bool(flag):
+    with pytest.raises(ValueError, match="events must be True or False"):
+        HostCache(4, events=flag)
+
+
+@BOTH
+@pytest.mark.parametrize("flag", ["no", 1, None])
+def test_complete_store_success_must_be_a_bool_and_a_refusal_keeps_the_store_pending(
+        policy, flag):
+    c = HostCache(4, policy)
+    c.prepare_store([1])
+    with pytest.raises(ValueError, match="success must be True or False"):
+        c.complete_store([1], success=flag)  # "no" used to count as success
+    assert c.lookup([1]) == 0 and c.stats()["pending"] == 1
+    c.complete_store([1], success=np.bool_(False))  # numpy bools are bools
+    assert 1 not in c and c.stats()["store_failures"] == 1
+
+
+@BOTH
+def test_a_refused_prepare_load_of_an_iterator_protects_nothing(policy):
+    """The undo of a refused prepare_load re-read the hashes: an iterator was empty
+    by then, the protection stayed, and clear() refused forever."""
+    c = HostCache(4, policy)
+    stored(c, [1, 2])
+    with pytest.raises(ValueError, match=r"hash #1 \(9\) is not in host memory"):
+        c.prepare_load(iter([1, 9]))
+    assert c.stats()["protected"] == 0 and c.stats()["loads"] == 0
+    c.clear()
+
+
+@BOTH
+def test_iterables_work_like_lists_in_every_call(policy):
+    c = HostCache(4, policy)
+    out = c.prepare_store(h for h in [1, 2, 3])
+    assert out.hashes == [1, 2, 3]
+    c.complete_store(iter(out.hashes))
+    assert c.lookup(iter([1, 2, 9])) == 2
+    s = c.stats()
+    assert (s["lookups"], s["lookup_blocks"], s["hits"]) == (1, 3, 2)
+    assert c.prepare_load(iter([3, 1])).tolist() == [out.host_blocks[2], out.host_blocks[0]]
+    c.touch(iter([1]))
+    with pytest.raises(ValueError, match=r"complete_load: hash #2 \(2\)"):
+        c.complete_load(iter([3, 1, 2]))  # 2 has no load: 3's and 1's stay protected
+    assert c.stats()["protected"] == 2
+    c.complete_load(np.array([3, 1]))
+    assert c.stats()["protected"] == 0
+    c.clear()
+
+
+def test_a_persisted_prepare_store_of_an_iterator_stores_its_hashes():
+    """The persist= key check used to read the iterator to its end, and prepare_store
+    then stored nothing and returned an empty output."""
+    keys = block_hashes(list(range(32)), 16)
+    c = HostCache(4)
+    c._persist = _FakePersist()  # type: ignore[assignment]
+    out = c.prepare_store(iter(keys))
+    assert out.hashes == keys
+    c.complete_store(out.hashes)
+    assert c.lookup(keys) == 2
+
+
+@BOTH
+@pytest.mark.parametrize("bad, why", [
+    (b"\x01" * 32, "one bytes value"), ("ab", "one str value"), ({1, 2}, "no order"),
+    (5, "got int 5"), (np.array(3), "got ndarray")])
+def test_hashes_that_are_not_a_sequence_are_refused_with_nothing_counted(policy, bad, why):
+    """One bytes hash used to be read as 32 int hashes (lookup counted 32 misses);
+    a set has no block order."""
+    c = HostCache(4, policy)
+    stored(c, [1])
+    before = c.stats()
+    for call in (c.lookup, c.prepare_load, c.complete_load, c.touch, c.prepare_store,
+                 c.complete_store):
+        with pytest.raises(ValueError, match=f"hashes .*{why}.*pass a list"):
+            call(bad)
+    assert c.stats() == before
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -1, "x", None])
+def test_publish_interval_is_checked_before_the_namespace_is_touched(bad):
+    """"x" raised a bare TypeError, inf passed the check and overflowed once the
+    segment existed (the wired test shows none is left behind)."""
+    c = HostCache(4)
+    with pytest.raises(ValueError, match="interval_s must be"):
+        c.publish("no-such-namespace", interval_s=bad)
+
+
+@pytest.mark.parametrize("call", ["offload_backup", "fetch_prepared"])
+def test_wired_flags_must_be_bools(call):
+    """backup="no" used to mean a write-through backup, prepared="no" a prepared
+    fetch; both are refused before the client is looked at."""
+    c = HostCache(4)
+    stored(c, [1])
+    before = c.stats()
+    with pytest.raises(ValueError, match="must be True or False"):
+        if call == "offload_backup":
+            c.offload(None, [2], [0], backup="no")  # type: ignore[arg-type]
+        else:
+            c.fetch(None, [1], [0], prepared="no")  # type: ignore[arg-type]
+    assert c.stats() == before
+
+
+@BOTH
+def test_a_fetch_whose_send_fails_gives_back_its_protection_and_count(policy):
+    c = HostCache(4, policy)
+    stored(c, [1, 2])
+    before = c.stats()
+    with pytest.raises(KvswapError, match="send failed"):
+        c.fetch(_FailingClient(), [1, 2], [0, 1])  # type: ignore[arg-type]
+    assert c.stats() == before  # "loads" used to keep the two blocks

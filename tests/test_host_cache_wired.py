@@ -392,6 +392,23 @@ def test_publishing_needs_the_namespace(namespaces):
     assert names.owned_shm() == []
 
 
+def test_a_refused_publishing_interval_leaves_no_segment(namespaces):
+    """interval_s=inf passed the old ``>= 0`` check and overflowed after the segment
+    was created, leaving it mapped by nobody's writer."""
+    launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=HOST)
+    ns, root = launcher.names.namespace, str(launcher.names.run_root)
+    before = launcher.names.owned_shm()
+    cache = HostCache(4)
+    with pytest.raises(ValueError, match="interval_s must be finite"):
+        cache.publish(ns, root, interval_s=float("inf"))
+    assert launcher.names.owned_shm() == before and read_host_cache(launcher.names) is None
+    cache.publish(ns, root, interval_s=0)  # the refusal left the cache free to publish
+    try:
+        assert read_host_cache(launcher.names)["owner_pid"] == os.getpid()
+    finally:
+        cache.close()
+
+
 def test_signals_doc_draws_the_host_cache_segment_as_the_code_has_it():
     text = (DOCS / "signals.md").read_text()
     section = text[text.index("### Host-tier statistics"):]

@@ -396,7 +396,10 @@ def check_seconds(value: Any, what: str, positive: bool, most: float = math.inf)
             or not isinstance(value, (int, float, np.integer, np.floating))):
         raise InvalidTask(f"{what} must be a number of seconds, got {type(value).__name__} "
                           f"{value!r:.60}", ErrorCode.BAD_FIELD)
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an int past float's range: as far from finite as inf
+        v = math.inf
     if not math.isfinite(v) or v < 0 or (positive and v == 0) or v > most:
         bound = "> 0" if positive else ">= 0"
         cap = f", at most {most:.0f}" if math.isfinite(most) else ""

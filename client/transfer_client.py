@@ -269,6 +269,9 @@ class TransferFuture:
                 and len(self._error.failures) == len(self.ranks))
 
     def add_done_callback(self, fn: Callable[["TransferFuture"], None]) -> None:
+        if not callable(fn):  # refused now, not when the reader thread would call it
+            raise InvalidTask(f"add_done_callback needs a callable, got {type(fn).__name__} "
+                              f"{fn!r:.60}", ErrorCode.BAD_FIELD)
         with self._lock:
             if not self._done:
                 self._callbacks.append(fn)
@@ -310,6 +313,8 @@ class TransferFuture:
                           f"answered after {waited:.1f}s" + (f". {why}" if why else ""))
 
     def exception(self, timeout: float | None = None) -> KvswapError | None:
+        if timeout is not None:  # a bad timeout is the caller's error, not the task's
+            check_seconds(timeout, "timeout", positive=False)
         try:
             self.result(timeout)
         except KvswapError as exc:

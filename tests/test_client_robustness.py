@@ -974,3 +974,26 @@ def test_a_wrong_tcp_secret_is_named_in_the_deadline_error(namespaces, tmp_path)
     assert "1 reply to this client failed the signature check (bad signature)" in text
     assert "TransferClient(secret=...) probably differs" in text
     assert "--secret-file" in text
+
+
+@pytest.mark.parametrize("timeout", ["1", float("nan"), -1, 10 ** 400])
+def test_a_futures_bad_timeout_is_raised_never_returned_as_the_tasks_error(timeout):
+    """exception(timeout) returned the bad timeout's InvalidTask as if the task had
+    failed with it; 10**400 raised a raw OverflowError."""
+    fut = TransferFuture(next(_ids), Op.EVICT, range(1), time.monotonic() + 30)
+    with pytest.raises(InvalidTask, match="timeout must be"):
+        fut.exception(timeout)
+    with pytest.raises(InvalidTask, match="timeout must be"):
+        fut.result(timeout)
+    fut._on_reply(_ok(fut, 0))
+    assert fut.exception(0) is None  # the future itself is untouched
+
+
+def test_add_done_callback_refuses_what_it_could_not_call():
+    fut = TransferFuture(next(_ids), Op.EVICT, range(1), time.monotonic() + 30)
+    with pytest.raises(InvalidTask, match="add_done_callback needs a callable, got int"):
+        fut.add_done_callback(3)
+    seen: list[TransferFuture] = []
+    fut.add_done_callback(seen.append)
+    fut._on_reply(_ok(fut, 0))
+    assert seen == [fut]

@@ -24,13 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
 
-import msgpack
 import numpy as np
 
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, NotReady
-from kvswap.client.layout import TensorDesc, demo_layout, layout_hash, validate_layout
-from kvswap.client.protocol import Op, Request, packb
-from kvswap.client.shm_region import ShmRegion
+from kvswap.client.layout import TensorDesc, layout_hash, validate_layout
+from kvswap.client.protocol import Request, packb
 from kvswap.client.signals import RankSlot, RankState, poll_until
 from kvswap.daemon.backend import Backend
 from kvswap.daemon.io_loop import IoLoop
@@ -100,7 +98,12 @@ class Registrar:
         # I/O and control, under _lock: a replacing register failed after the old tensors
         # were detached; the next register replaces too (the other ranks are READY)
         self._replace_unfinished = False
-        self._demo_regions: dict[str, ShmRegion] = {}  # control thread (I/O thread at start)
+        # Under _lock: a restarted daemon's next register joins the serving ranks
+        # (expect_join), keeping its predecessor's layout; the state a register that
+        # meets no barrier settles in (Lifecycle._settle).
+        self._joining = False
+        self._predecessor_layout: list[TensorDesc] | None = None
+        self.settle_to = RankState.READY
         self._path: Path = rank.names.run_dir / f"rank{rank.index}.register"
 
     # ---------------------------------------------------------------- I/O thread
@@ -115,6 +118,8 @@ class Registrar:
             state = rank.sm.state
             replacing = bool(hdr.get("replace")) and self._registration is not None \
                 and state in (RankState.READY, RankState.PAUSED)
+            joining = (self._joining and not job.rejoin and self._registration is None
+                       and state is RankState.ATTACHING)
             if not replacing and (self._registration is not None
                                   or state is not RankState.ATTACHING):
                 self._answer_repeat(job, state)
@@ -133,6 +138,8 @@ class Registrar:
                     ErrorCode.BAD_LAYOUT)
             if replacing:
                 self._admit_replace(job, state)
+            elif joining:
+                self._admit_join(job)
             elif self._replace_unfinished:
                 job.replace = True
             self._registration = Registration([t.to_wire() for t in job.tensors])
@@ -148,20 +155,48 @@ class Registrar:
         ATTACHING, which refuses transfers (NOT_READY) until the new tensors are
         attached; the control thread first lets the running tasks finish."""
         assert self._registration is not None
-        old = [TensorDesc.from_wire(t) for t in self._registration.tensors]
-        if layout_hash(old) != layout_hash(job.tensors):
-            diff = layout_difference(old, job.tensors)
-            raise InvalidTask(
-                f"rank {self._rank.index}: a replacing register must keep the layout in "
-                f"effect, so the host pool keeps its meaning ({diff}); to change the layout "
-                f"call clear_caches(free_host=True) then restore_caches() on the "
-                f"TransferClient, or relaunch the namespace", ErrorCode.BAD_LAYOUT)
+        self._keep_layout([TensorDesc.from_wire(t) for t in self._registration.tensors], job,
+                          "a replacing register must keep the layout in effect, so the host "
+                          "pool keeps its meaning")
         if not self._rank.sm.to(RankState.ATTACHING, only_from=frozenset({state})):
             raise NotReady(f"rank {self._rank.index} is {self._rank.sm.state.name}; a "
                            f"replacing register needs READY or PAUSED")
         job.replace = True
+        self.settle_to = state  # a paused namespace stays paused across the replacement
         log.info("register %s replaces the attached tensors (engine restart); the host pool "
                  "is kept", job.req_id)
+
+    def _admit_join(self, job: Job) -> None:
+        """A register on a restarted daemon of a serving namespace that could not
+        re-attach its predecessor's caches (their engine is gone; caller holds the
+        lock).  ``replace`` or not, it stands for the predecessor's register, which is
+        what ``replace`` means on a rank with nothing attached: no start-up barrier
+        (the other ranks will not enter it again: waiting ends in BARRIER_TIMEOUT); the
+        layout the other ranks serve and the pool was written under, else BAD_LAYOUT
+        and nothing changes; ``host_pool_kept`` says whether the pool was adopted with
+        its contents (``HostSwapSpace.reused``); tasks in doubt are abandoned, not
+        replayed onto what may be other tensors (Lifecycle's control loop)."""
+        if self._predecessor_layout is not None:
+            self._keep_layout(self._predecessor_layout, job, "it restarted and rejoins ranks "
+                              "that serve its previous register's layout, not this one's")
+        job.replace = True
+        log.info("register %s: this daemon restarted and could not re-attach, so it joins the "
+                 "serving ranks without the start-up barrier (the host pool is kept if its "
+                 "layout matches)", job.req_id)
+
+    def _keep_layout(self, old: list[TensorDesc], job: Job, why: str) -> None:
+        if layout_hash(old) != layout_hash(job.tensors):
+            raise InvalidTask(
+                f"rank {self._rank.index}: {why} ({layout_difference(old, job.tensors)}); to "
+                f"change the layout call clear_caches(free_host=True) then restore_caches() "
+                f"on the TransferClient, or relaunch the namespace", ErrorCode.BAD_LAYOUT)
+
+    def settled(self) -> None:
+        """The rank left ATTACHING for the state :attr:`settle_to` named (control thread):
+        from here on a register is a first one again, until the next restart."""
+        with self._lock:
+            self._joining = False
+            self.settle_to = RankState.READY
 
     def _answer_repeat(self, job: Job, state: RankState) -> None:
         """A register on a rank that has one in effect (caller holds the lock).
@@ -356,12 +391,24 @@ class Registrar:
             for user in self._pool_users:  # before the pool is unmapped (idempotent)
                 user.detach()
             swap.close(unlink=True)
-        for region in self._demo_regions.values():
-            region.unlink()
-            region.close()
         self._path.unlink(missing_ok=True)
 
     # ---------------------------------------------------------------- start-up / restart
+    @property
+    def register_file(self) -> Path:
+        """The last register's message (:meth:`_save`), for a restarted daemon."""
+        return self._path
+
+    def expect_join(self, mode: RankState, layout: list[TensorDesc] | None) -> None:
+        """A restarted daemon in a namespace that serves (main thread, before serving):
+        its next register settles in ``mode`` without the start-up barrier, and one
+        that is not its predecessor's re-attach must keep ``layout`` (the predecessor's;
+        None when unknown): :meth:`_admit_join`."""
+        with self._lock:
+            self._joining = True
+            self.settle_to = mode
+            self._predecessor_layout = layout
+
     def _save(self, header: dict) -> None:
         """Keep the worker's last register message, so a restarted daemon can re-open
         the same tensors (shm names, or CUDA IPC handles that stay valid while the
@@ -371,42 +418,3 @@ class Registrar:
         with os.fdopen(fd, "wb") as f:
             f.write(packb({"backend": header["backend"], "tensors": header["tensors"]}))
         os.replace(tmp, self._path)
-
-    def attach_on_start(self) -> None:
-        """First start: wait for a worker (or create demo caches).  Restart (epoch > 1):
-        re-attach what the previous incarnation had, then go READY without the
-        start-up barrier, which the other (READY) ranks will not enter again."""
-        rejoin = self._rank.epoch > 1
-        if self._rank.cfg.demo_caches is not None:
-            self.create_demo_caches(rejoin)
-            return
-        if not (rejoin and self._path.exists()):
-            return
-        try:
-            header = msgpack.unpackb(self._path.read_bytes(), raw=False)
-            job = Job(None, 0, Op.REGISTER, time.perf_counter_ns(), header, rejoin=True)
-            self.admit(job, None)
-            log.info("restart (epoch %d): re-attaching the caches registered before",
-                     self._rank.epoch)
-        except (KvswapError, ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
-            log.warning("restart: cannot re-attach from %s (%.200r); waiting for the worker "
-                        "to register again", self._path, str(exc))
-
-    def create_demo_caches(self, rejoin: bool) -> None:
-        """--demo-caches: simulated device tensors owned by this daemon, registered
-        through the same path a CacheWorker's register takes.  Opened without
-        O_EXCL so a restarted daemon finds its predecessor's tensors, contents intact
-        (as GPU memory outlives a crashed transfer daemon)."""
-        rank = self._rank
-        descs = []
-        for t in demo_layout(rank.cfg.demo_caches or None):
-            name = rank.names.device_segment(rank.index, t.name)
-            if name not in self._demo_regions:
-                nbytes = int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
-                self._demo_regions[name] = ShmRegion.create(name, nbytes, exclusive=False)
-            descs.append(TensorDesc(t.name, t.layer, t.dtype, t.shape, {"shm": name},
-                                    t.replicated))
-        header = {"backend": rank.cfg.backend, "tensors": [d.to_wire() for d in descs]}
-        self.admit(Job(None, 0, Op.REGISTER, time.perf_counter_ns(), header, rejoin=rejoin),
-                   None)
-

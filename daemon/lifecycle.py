@@ -33,6 +33,7 @@ from kvswap.daemon.io_loop import IoLoop
 from kvswap.daemon.jobs import Completion, Handler, Job
 from kvswap.daemon.peer_ops import PeerOps
 from kvswap.daemon.rank import RankContext
+from kvswap.daemon.startup import Startup
 from kvswap.daemon.transfers import Transfers
 
 log = logging.getLogger("kvswap.daemon")
@@ -42,12 +43,13 @@ class Lifecycle:
     """State changes of the rank and the control thread that runs the slow ones."""
 
     def __init__(self, rank: RankContext, io: IoLoop, slot: AttachmentSlot,
-                 registrar: Registrar, exactly: ExactlyOnce, transfers: Transfers,
-                 peer: PeerOps, control: queue.SimpleQueue):
+                 registrar: Registrar, startup: Startup, exactly: ExactlyOnce,
+                 transfers: Transfers, peer: PeerOps, control: queue.SimpleQueue):
         self._rank = rank
         self._io = io
         self._slot = slot
         self._registrar = registrar
+        self._startup = startup
         self._exactly = exactly
         self._transfers = transfers
         self._peer = peer
@@ -96,14 +98,18 @@ class Lifecycle:
                     rank.sm.fail(c.code, f"attaching the demo caches failed: {c.message}")
             self._io.complete(c)
             if job.op is Op.REGISTER and c.code == ErrorCode.OK:
-                if job.replace:  # the other ranks stay READY: no barrier to meet
-                    self._become_ready()
-                elif job.rejoin:
+                if job.rejoin:  # the predecessor's caches: finish what its crash cut short
                     att = self._slot.current
                     assert att is not None
                     self._exactly.replay_in_doubt(att.num_device_blocks, att.num_host_blocks,
                                                   partial(self._transfers.execute, att=att))
-                    self._become_ready()
+                    self._settle()
+                elif job.replace:  # the other ranks serve on: no barrier to meet
+                    # A replace drained first, so nothing is in doubt; a restarted daemon
+                    # joining with new tensors (Registrar._admit_join) may have tasks its
+                    # predecessor left, which cannot be replayed onto them.
+                    self._exactly.abandon_in_doubt()
+                    self._settle()
                 else:
                     self._exactly.abandon_in_doubt()
                     self._startup_barrier()
@@ -124,12 +130,22 @@ class Lifecycle:
         self._become_ready()
 
     def _become_ready(self) -> None:
-        """ATTACHING -> READY; rank 0 writes the namespace's KvCacheStatus first, so a
-        client that sees every rank READY (wait_ready) also sees NORMAL."""
+        """ATTACHING -> READY after the start-up barrier."""
+        self._settle(RankState.READY)
+
+    def _settle(self, state: RankState | None = None) -> None:
+        """ATTACHING -> ``state`` (default: the one the registrar names, READY or the
+        mode the rank was in before it re-attached: PAUSED after a restart or a
+        replacing register of a paused namespace).  Rank 0 writes the namespace's
+        KvCacheStatus first, so a client that sees every rank READY (wait_ready) also
+        sees NORMAL."""
         rank = self._rank
+        if state is None:
+            state = self._registrar.settle_to
         if rank.index == 0 and rank.sm.state is RankState.ATTACHING:
             rank.seg.header[HeaderSlot.KVCACHE_STATUS] = KvCacheStatus.NORMAL
-        rank.sm.to(RankState.READY, only_from=frozenset({RankState.ATTACHING}))
+        if rank.sm.to(state, only_from=frozenset({RankState.ATTACHING})):
+            self._registrar.settled()
 
     def run_clear(self, job: Job, req: Request | None) -> dict:
         """Drain, release the device mappings (and the pool if asked), barrier: every
@@ -172,7 +188,7 @@ class Lifecycle:
             raise NotReady(f"rank {self._rank.index} is {sm.state.name}, not CLEARED")
         self._registrar.forget()
         if self._rank.cfg.demo_caches is not None:
-            self._registrar.create_demo_caches(rejoin=False)
+            self._startup.create_demo_caches(rejoin=False)
         return {}
 
     def pause(self, job: Job, req: Request | None) -> dict | None:

@@ -48,13 +48,17 @@ _LIVE_STATES = frozenset({RankState.STARTING, RankState.ATTACHING, RankState.REA
 class RankContext:
     """What every part of one rank's daemon shares (all threads; none rebound)."""
 
-    def __init__(self, cfg: DaemonConfig, seg: SignalSegment, sig: RankSignals):
+    def __init__(self, cfg: DaemonConfig, seg: SignalSegment, sig: RankSignals,
+                 predecessor: RankState = RankState.ABSENT):
         self.cfg = cfg
         self.names = Names.of(cfg.namespace, cfg.run_root)
         self.index = cfg.rank
         self.seg = seg
         self.sig = sig
         self.epoch = int(sig[RankSlot.EPOCH])
+        # The state the previous daemon of this rank last published (ABSENT on a first
+        # start): which mode a restarted daemon comes back in (Lifecycle.rejoin_mode).
+        self.predecessor = predecessor
         self.sm = StateMachine(sig)  # any thread; serialised by its own lock
         self.layers = LayerProgress(seg, cfg.rank)  # transfer workers (layer-wise loads)
         self.stats = seg.stats(cfg.rank)  # I/O thread (the single writer of task statistics)
@@ -77,6 +81,7 @@ class RankContext:
                 and pid_alive(other)):
             raise DaemonError(f"rank {cfg.rank} of namespace {cfg.namespace!r} is already "
                               f"served by pid {other}")
+        predecessor = seg.state_of(cfg.rank)  # read before it is overwritten
         sig[RankSlot.STATE] = RankState.ABSENT
         sig[RankSlot.PID] = os.getpid()
         sig.add(RankSlot.EPOCH, 1)
@@ -84,7 +89,7 @@ class RankContext:
                   RankSlot.SWAP_BYTES_TOTAL, RankSlot.SWAP_BYTES_PINNED):
             sig[f] = 0
         sig[RankSlot.HEARTBEAT_NS] = now_ns()
-        return cls(cfg, seg, sig)
+        return cls(cfg, seg, sig, predecessor)
 
     def check_serving(self) -> None:
         """Refuse a task unless this rank is READY and not stopping."""

@@ -5,6 +5,7 @@ Each part owns its state (docs/architecture.md, sections 2 and 11):
 * :mod:`~kvswap.daemon.rank`: identity, signal slot, state machine, heartbeat;
 * :mod:`~kvswap.daemon.io_loop`: the I/O thread (sockets, routing, replies);
 * :mod:`~kvswap.daemon.attachment`: register/attach, the published attachment;
+* :mod:`~kvswap.daemon.startup`: the entry into the namespace (first start, restart);
 * :mod:`~kvswap.daemon.exactly_once`: the completion journal;
 * :mod:`~kvswap.daemon.transfers`: evict, load, batch, cancel;
 * :mod:`~kvswap.daemon.storage_service`: backup, prefetch, exists;
@@ -38,6 +39,7 @@ from kvswap.daemon.journal import Journal
 from kvswap.daemon.lifecycle import Lifecycle
 from kvswap.daemon.peer_ops import PeerOps
 from kvswap.daemon.rank import Heartbeat, RankContext
+from kvswap.daemon.startup import Startup
 from kvswap.daemon.storage_service import StorageService
 from kvswap.daemon.transfers import Transfers
 
@@ -94,7 +96,8 @@ class Daemon:
         transfers = Transfers(rank, backend, io, slot, exactly, storage, peer)
         registrar = Registrar(rank, backend, io, slot, storage, control, transfers.run_batch,
                               pool_users=[storage, peer])
-        life = Lifecycle(rank, io, slot, registrar, exactly, transfers, peer, control)
+        startup = Startup(rank, registrar)
+        life = Lifecycle(rank, io, slot, registrar, startup, exactly, transfers, peer, control)
         handlers = {
             Op.REGISTER: Handler(run=registrar.run, admit=registrar.admit),
             Op.EVICT: Handler(admit=transfers.admit, claims=True),
@@ -121,7 +124,7 @@ class Daemon:
         log.info("serving %s (backend %s, tp %d, host pool %s, epoch %d, pid %d)",
                  rank.names.endpoint(rank.index), cfg.backend, cfg.tp_size, cfg.pool_text(),
                  rank.epoch, os.getpid())
-        registrar.attach_on_start()
+        startup.begin()
         status = 0
         try:
             io.serve(handlers, life.begin_stop, life.workers_done, transfers.copy_claimed)
@@ -138,6 +141,7 @@ class Daemon:
                 log.error("transfer workers did not finish within 60s")
             peer.close()
             registrar.release()
+            startup.release()
             storage.close()
             exactly.close()
             io.close()

@@ -3,9 +3,11 @@
 Transitions (anything else is a bug and raises):
 
     STARTING  -> ATTACHING | STOPPING | FAILED
-    ATTACHING -> READY | STOPPING | FAILED
-    READY     -> PAUSED | CLEARING | STOPPING | FAILED
-    PAUSED    -> READY | CLEARING | STOPPING | FAILED
+    ATTACHING -> READY | PAUSED | CLEARED | STOPPING | FAILED
+                 (PAUSED, CLEARED: a restarted daemon comes back in the mode its
+                 namespace is in, Lifecycle.rejoin_mode)
+    READY     -> PAUSED | CLEARING | ATTACHING | STOPPING | FAILED
+    PAUSED    -> READY | CLEARING | ATTACHING | STOPPING | FAILED
     CLEARING  -> CLEARED | FAILED | STOPPING
     CLEARED   -> ATTACHING | STOPPING | FAILED
     STOPPING  -> STOPPED | FAILED
@@ -26,7 +28,7 @@ S = RankState
 TRANSITIONS: dict[RankState, frozenset[RankState]] = {
     S.ABSENT: frozenset({S.STARTING}),
     S.STARTING: frozenset({S.ATTACHING, S.STOPPING, S.FAILED}),
-    S.ATTACHING: frozenset({S.READY, S.STOPPING, S.FAILED}),
+    S.ATTACHING: frozenset({S.READY, S.PAUSED, S.CLEARED, S.STOPPING, S.FAILED}),
     S.READY: frozenset({S.PAUSED, S.CLEARING, S.ATTACHING, S.STOPPING, S.FAILED}),
     S.PAUSED: frozenset({S.READY, S.CLEARING, S.ATTACHING, S.STOPPING, S.FAILED}),
     S.CLEARING: frozenset({S.CLEARED, S.STOPPING, S.FAILED}),

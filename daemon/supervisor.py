@@ -1,16 +1,26 @@
-"""Per-rank process supervision: restart dead or silent daemons with back-off.
+"""Per-rank process supervision: restart dead, silent or FAILED daemons with back-off.
 
 Each rank's process moves through these states (after supervisord's):
 
-    STARTING --(rank publishes READY)--------------------------> RUNNING
-    STARTING/RUNNING --(process exited, or heartbeat stale)----> BACKOFF
-    BACKOFF --(delay elapsed, retries left)--------------------> STARTING (respawn)
-    BACKOFF --(retries exhausted)------------------------------> FATAL
-    RUNNING --(up for reset_after_s)-----------------------------> (retry count reset)
+    STARTING --(rank publishes READY, PAUSED, CLEARING or CLEARED)--> RUNNING
+    STARTING/RUNNING --(process exited, heartbeat stale, or FAILED)--> BACKOFF
+    BACKOFF --(delay elapsed, retries left)--------------------------> STARTING (respawn)
+    BACKOFF --(retries exhausted)------------------------------------> FATAL
+    RUNNING --(up for reset_after_s)-----------------------------------> (retry count reset)
 
 A silent daemon (heartbeat older than ``stale_after_s`` while its process is
 still there: wedged, or SIGSTOPped) is killed with SIGKILL first, so there is
-never more than one daemon per rank.  The back-off doubles from
+never more than one daemon per rank.
+
+So is a daemon that published FAILED while its process lives (a barrier that
+timed out or aborted, tasks that did not drain): it would refuse every task
+NOT_READY until a relaunch, and nothing in it recovers (FAILED only leads to
+STOPPING).  SIGKILL, not a clean stop: a clean stop unlinks the host pool and
+the completion journal, which its successor adopts instead (contents intact,
+tasks in doubt replayed), and it comes back in its namespace's mode
+(``Lifecycle.rejoin_mode``).  Only once the rank has served (reached READY or a
+later state) under this supervisor: before that, the launcher's ``wait_ready``
+fails the launch fast on a FAILED rank, with its reason.  The back-off doubles from
 ``backoff_s`` up to ``backoff_max_s``; ``max_retries`` consecutive failures
 make the rank FATAL, which the launcher turns into a full teardown.  Each
 respawned daemon increments the rank's epoch in the signal segment itself.
@@ -25,10 +35,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from kvswap.client.errors import ErrorCode
 from kvswap.client.signals import RankSlot, RankState, SignalSegment
 from kvswap.daemon.options import Options, at_least, option, seconds, seconds_or_zero
 
 log = logging.getLogger("kvswap.supervisor")
+
+# States a rank settles in once attached: the process serves its namespace.
+SERVED = frozenset({RankState.READY, RankState.PAUSED, RankState.CLEARING, RankState.CLEARED})
 
 
 class ProcState(enum.Enum):
@@ -47,6 +61,7 @@ class RankProcess:
     restarts: int = 0  # total respawns
     since: float = 0.0  # when the current state began (monotonic)
     retry_at: float = 0.0
+    served: bool = False  # a daemon of this rank has served (any incarnation): FAILED restarts
 
 
 @dataclass
@@ -110,6 +125,15 @@ class Supervisor:
         rp.retry_at = now + delay
         self._to(rp, ProcState.BACKOFF, now)
 
+    def _kill(self, rp: RankProcess, why: str) -> None:
+        """SIGKILL the rank's daemon and reap it, so a rank never has two daemons."""
+        log.error("rank %d (pid %d) %s: killing it", rp.rank, rp.proc.pid, why)
+        rp.proc.kill()
+        try:
+            rp.proc.wait(10)
+        except subprocess.TimeoutExpired:  # stuck in the kernel: poll() reaps it later
+            log.error("rank %d (pid %d) did not die within 10s of SIGKILL", rp.rank, rp.proc.pid)
+
     def step(self) -> None:
         """One supervision pass; cheap enough to run every 100-200 ms."""
         now = time.monotonic()
@@ -125,24 +149,32 @@ class Supervisor:
                 age = self.seg.heartbeat_age_s(rp.rank) if own else None
                 stopping = self.seg.state_of(rp.rank) in (RankState.STOPPING, RankState.STOPPED)
                 if age is not None and age > self.cfg.stale_after_s and not stopping:
-                    log.error("rank %d (pid %d) has not beaten for %.1fs: killing it", rp.rank,
-                              rp.proc.pid, age)
-                    rp.proc.kill()
-                    try:
-                        rp.proc.wait(10)
-                    except subprocess.TimeoutExpired:  # stuck in the kernel: poll() reaps it later
-                        log.error("rank %d (pid %d) did not die within 10s of SIGKILL", rp.rank,
-                                  rp.proc.pid)
+                    self._kill(rp, f"has not beaten for {age:.1f}s")
                     self._failed(rp, now, f"was silent for {age:.1f}s")
                     continue
-                ready = self.seg.state_of(rp.rank) == RankState.READY
-                if rp.state is ProcState.STARTING and ready:
-                    self._to(rp, ProcState.RUNNING, now)
-                elif (rp.state is ProcState.RUNNING and rp.retries
-                      and now - rp.since > self.cfg.reset_after_s):
+                state = self.seg.state_of(rp.rank) if own else None
+                if state is RankState.FAILED and rp.served:
+                    code = int(self.seg.ranks[rp.rank, RankSlot.LAST_ERROR])
+                    why = f"is FAILED [{code} {_code_name(code)}] (see its log)"
+                    self._kill(rp, why)
+                    self._failed(rp, now, why)
+                    continue
+                if state in SERVED:
+                    rp.served = True
+                    if rp.state is ProcState.STARTING:
+                        self._to(rp, ProcState.RUNNING, now)
+                if (rp.state is ProcState.RUNNING and rp.retries
+                        and now - rp.since > self.cfg.reset_after_s):
                     rp.retries = 0
             elif rp.state is ProcState.BACKOFF and now >= rp.retry_at:
                 rp.retries += 1
                 rp.restarts += 1
                 rp.proc = self.spawn(rp.rank)
                 self._to(rp, ProcState.STARTING, now)
+
+
+def _code_name(code: int) -> str:
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return "unknown code"

@@ -10,6 +10,7 @@ restart script would (the daemon still maps them until the replace detaches them
 from __future__ import annotations
 
 import subprocess
+import time
 import sys
 import textwrap
 
@@ -119,6 +120,80 @@ def test_new_engine_replaces_a_killed_one_and_loads_from_the_kept_pool(namespace
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
+        for w in workers:
+            w.close()
+        for r in range(TP):
+            for n in NAMES:
+                unlink_shm(names.device_segment(r, n))
+
+
+def test_a_daemon_restarted_while_the_engine_was_down_joins_the_new_engine(namespaces):
+    """The engine stops (its workers close, freeing their tensors), rank 1's daemon is
+    killed and respawned meanwhile, then the new engine registers with ``replace=True``.
+
+    The respawned daemon cannot re-attach its predecessor's tensors (they are gone), so
+    it waits in ATTACHING with nothing registered.  Its ranks' peers are READY and never
+    enter the start-up barrier again: a register that met it there went FAILED
+    BARRIER_TIMEOUT after --attach-timeout (while both registers answered OK).  Now it
+    joins without the barrier, refuses a layout other than the one its peers serve, and
+    says truthfully that it adopted its predecessor's pool: the data evicted before the
+    crash loads into the new tensors on both ranks."""
+    from kvswap.daemon.supervisor import SupervisorConfig
+    from kvswap.client.signals import RankSlot, poll_until
+    from test_faults import Supervising
+
+    launcher = namespaces.launch(tp=TP, demo_caches=None, host_blocks=HOST_BLOCKS, wait=False,
+                                 attach_timeout_s=8.0,
+                                 supervision=SupervisorConfig(backoff_s=0.05))
+    names, seg = launcher.names, launcher.seg
+    first = [_new_worker(names, r) for r in range(TP)]
+    workers = [w for w, _ in first]
+    try:
+        for r, (worker, tensors) in enumerate(first):
+            for t, ct in enumerate(tensors):
+                for i in range(BLOCKS):
+                    ct.array[i] = _pattern(r, t, i)
+            worker.register(tensors, timeout=30)
+        launcher.wait_ready(30)
+        dev, host = list(range(8)), list(range(20, 28))
+        with TransferClient(names.namespace, TP, run_root=str(names.run_root)) as client:
+            assert all(r.ok for r in client.evict(dev, host).result(30).replies.values())
+        for worker, _ in first:  # the engine stops: its tensors are unlinked
+            worker.close()
+        log1 = names.log_path(1, launcher.log_dir)
+        with Supervising(launcher) as sup:
+            launcher.procs[1].kill()
+            # the respawned daemon tried its predecessor's register file, and failed
+            assert poll_until(lambda: True if int(seg.ranks[1, RankSlot.EPOCH]) == 2
+                              and "internal register" in log1.read_text() else None,
+                              time.monotonic() + 30), launcher.progress()
+            assert seg.state_of(1) is RankState.ATTACHING
+
+            odd, odd_tensors = _new_worker(names, 1, ("x0", "y0"))
+            workers.append(odd)
+            with pytest.raises(InvalidTask) as bad:  # not the layout the ranks serve
+                odd.register(odd_tensors, timeout=30, replace=True)
+            assert bad.value.code == ErrorCode.BAD_LAYOUT
+            assert "it restarted and rejoins ranks" in bad.value.message
+            assert "tensor 'k0': name 'x0', not 'k0'" in bad.value.message
+
+            second = [_new_worker(names, r) for r in range(TP)]
+            workers += [w for w, _ in second]
+            for worker, tensors in second:
+                reply = worker.register(tensors, timeout=30, replace=True)
+                assert reply.ok and reply.fields["host_pool_kept"] is True
+                assert reply.fields["num_host_blocks"] == HOST_BLOCKS
+            with TransferClient(names.namespace, TP, run_root=str(names.run_root)) as client:
+                client.wait_ready(20)
+                assert all(r.ok for r in client.load(host, dev).result(30).replies.values())
+            assert sup.reasons == []
+        assert [int(seg.ranks[r, RankSlot.EPOCH]) for r in range(TP)] == [1, 2]
+        for r, (_, tensors) in enumerate(second):
+            for t, ct in enumerate(tensors):
+                for i in dev:
+                    assert np.array_equal(ct.array[i], _pattern(r, t, i)), (r, ct.name, i)
+        assert "joins the serving ranks without the start-up barrier" in log1.read_text()
+    finally:
         for w in workers:
             w.close()
         for r in range(TP):

@@ -492,3 +492,158 @@ def test_ready_is_published_after_the_cache_status(namespaces):
             status = KvCacheStatus(int(seg.header[HeaderSlot.KVCACHE_STATUS]))
             assert status == KvCacheStatus.NORMAL, f"cycle {cycle}: READY while {status.name}"
             assert restored.result(10).replies[0].ok
+
+
+# ------------------------------------------------------------------ restarts in a namespace's mode
+
+SETTLING = (RankState.ABSENT, RankState.STARTING, RankState.ATTACHING)
+
+
+def _kill_and_wait_respawn(launcher, rank: int) -> None:
+    """SIGKILL ``rank``'s daemon (under supervision) and wait for its successor to settle."""
+    seg = launcher.seg
+    epoch = int(seg.ranks[rank, RankSlot.EPOCH])
+    launcher.procs[rank].kill()
+    _until(lambda: int(seg.ranks[rank, RankSlot.EPOCH]) == epoch + 1
+           and seg.state_of(rank) not in SETTLING, 30, f"rank {rank}'s respawn to settle")
+
+
+def _bare_client(launcher) -> TransferClient:
+    """A client that knows the ranks' current epochs (no wait_ready: not every rank is
+    READY)."""
+    return TransferClient(launcher.names.namespace, launcher.cfg.tp,
+                          run_root=str(launcher.names.run_root), task_timeout=20)
+
+
+def test_a_rank_restarted_while_paused_comes_back_paused(namespaces):
+    """Both ranks PAUSED, rank 1 killed: its successor used to come back READY, so an
+    evict sent during the pause was refused by rank 0 only and ran on rank 1.  It
+    comes back PAUSED (its predecessor's state, read from the signal segment before
+    it is overwritten): the evict is refused PAUSED by both ranks and changes nothing,
+    and a resume brings both back."""
+    launcher = namespaces.launch(tp=2, demo_caches=LAYOUT, host_blocks=HOST,
+                                 supervision=SupervisorConfig(backoff_s=0.05))
+    seg = launcher.seg
+    tensors = [TensorDesc(t.name, t.layer, t.dtype, t.shape) for t in demo_layout(LAYOUT)]
+    views = [RankView(launcher.names, r, tensors, HOST) for r in range(2)]
+    try:
+        for rank, view in enumerate(views):
+            for ti, t in enumerate(tensors):
+                view.device[ti][:] = pattern(rank, ti, np.arange(1, 65), t.bytes_per_block // 8)
+        with _client(launcher) as client:
+            client.pause().result(20)
+        with Supervising(launcher) as sup:
+            _kill_and_wait_respawn(launcher, 1)
+            assert sup.reasons == []
+        assert [seg.state_of(r) for r in range(2)] == [RankState.PAUSED] * 2
+        with _bare_client(launcher) as client:
+            with pytest.raises(TransferFailed) as ei:
+                client.evict([1, 2], [5, 6]).result(20)
+            assert [(f.rank, f.code) for f in ei.value.failures] == [
+                (0, ErrorCode.PAUSED), (1, ErrorCode.PAUSED)]
+            for view in views:  # the evict ran nowhere
+                assert not any(view.host[ti][5:7].any() for ti in range(len(tensors)))
+            client.resume().result(10)
+            assert [seg.state_of(r) for r in range(2)] == [RankState.READY] * 2
+            client.evict([1, 2], [5, 6]).result(20)
+        for rank, view in enumerate(views):
+            for ti, t in enumerate(tensors):
+                assert np.array_equal(view.host[ti][5], view.device[ti][1])
+    finally:
+        for view in views:
+            view.close()
+
+
+def _register_all(workers, arrays):
+    for w, arr in zip(workers, arrays):
+        assert w.register([CacheTensor("k0", 0, arr)], timeout=30).ok
+
+
+@pytest.mark.parametrize("caches", ["demo", "workers"])
+def test_a_rank_restarted_while_cleared_comes_back_cleared(namespaces, caches):
+    """Both ranks CLEARED (a weight update), rank 1 killed.  Its successor used to come
+    back READY with its old demo caches (then restore failed NOT_READY on it and left
+    rank 0 ATTACHING), or ATTACHING without its worker's (then restore waited for a
+    rank that could not take it).  It comes back CLEARED, attaching nothing; restore,
+    re-register and wait_ready complete, and the host pool kept by the clear survived
+    the restart."""
+    demo = caches == "demo"
+    launcher = namespaces.launch(tp=2, demo_caches=LAYOUT if demo else None, host_blocks=HOST,
+                                 wait=demo, supervision=SupervisorConfig(backoff_s=0.05))
+    seg, names = launcher.seg, launcher.names
+    workers, arrays, views = [], [], []
+    try:
+        if demo:
+            tensors = [TensorDesc(t.name, t.layer, t.dtype, t.shape) for t in demo_layout(LAYOUT)]
+            views = [RankView(names, r, tensors, HOST) for r in range(2)]
+            arrays = [view.device[0] for view in views]
+        else:
+            for r in range(2):
+                w = CacheWorker(names.namespace, r, run_root=str(names.run_root))
+                workers.append(w)
+                arrays.append(w.alloc_host_tensor("k0", (16, 64), "uint8"))
+        for r, arr in enumerate(arrays):
+            arr[:] = 0
+            arr[1] = 100 + r
+        if not demo:
+            _register_all(workers, arrays)
+        with _client(launcher) as client:
+            client.evict([1], [5]).result(20)
+            client.clear_caches(free_host=False).result(30)
+        with Supervising(launcher) as sup:
+            _kill_and_wait_respawn(launcher, 1)
+            assert [seg.state_of(r) for r in range(2)] == [RankState.CLEARED] * 2
+            assert int(seg.ranks[1, RankSlot.CACHE_READY]) == 0
+            with _bare_client(launcher) as client:
+                client.restore_caches().result(10)
+                if not demo:
+                    _register_all(workers, arrays)
+                client.wait_ready(20)
+                assert int(seg.header[HeaderSlot.KVCACHE_STATUS]) == KvCacheStatus.NORMAL
+                client.load([5], [9]).result(20)
+            assert sup.reasons == []
+        assert int(seg.ranks[1, RankSlot.EPOCH]) == 2
+        for r, arr in enumerate(arrays):  # host block 5 kept device block 1's bytes
+            assert (arr[9] == 100 + r).all(), (r, arr[9][:4])
+    finally:
+        for view in views:
+            view.close()
+        for w in workers:
+            w.close()
+
+
+def test_a_failed_rank_is_killed_and_restarted(namespaces, caplog):
+    """A rank that goes FAILED while its process lives used to stay FAILED until a
+    relaunch: the supervisor restarted only dead or silent daemons.  Here rank 1 alone
+    is restored after a clear; it re-attaches and waits in the start-up barrier for
+    rank 0, which stays CLEARED, so after --attach-timeout it is FAILED
+    BARRIER_TIMEOUT.  The supervisor kills it, says why, and respawns it; the new
+    daemon comes back CLEARED like its peer, and a restore brings the namespace
+    back."""
+    from conftest import RawPeer
+    from kvswap.client.protocol import Op, encode_request
+
+    launcher = namespaces.launch(tp=2, demo_caches=LAYOUT, host_blocks=HOST,
+                                 attach_timeout_s=2.0,
+                                 supervision=SupervisorConfig(backoff_s=0.05))
+    seg = launcher.seg
+    caplog.set_level("WARNING", logger="kvswap.supervisor")
+    assert launcher.supervise_once() is None  # the supervisor sees every rank serve
+    with Supervising(launcher) as sup:
+        with _client(launcher) as client:
+            client.clear_caches().result(30)
+        peer = RawPeer(launcher.names.endpoint(1))
+        try:
+            assert peer.ask(encode_request(Op.RESTORE, 1)).ok
+        finally:
+            peer.close()
+        _until(lambda: int(seg.ranks[1, RankSlot.EPOCH]) == 2
+               and seg.state_of(1) not in SETTLING, 30, "rank 1's restart")
+        assert [seg.state_of(r) for r in range(2)] == [RankState.CLEARED] * 2
+        with _bare_client(launcher) as client:
+            client.restore_caches().result(10)
+            client.wait_ready(20)
+            client.evict([1], [1]).result(20)
+        assert sup.reasons == []
+    assert launcher.supervisor.ranks[1].restarts == 1
+    assert "rank 1 (pid" in caplog.text and "is FAILED [501 BARRIER_TIMEOUT]" in caplog.text

@@ -46,12 +46,14 @@ readers never see a torn value and no lock is needed.  Observing the segment nev
 Writers and readers of every field are in :data:`HEADER_FIELDS` and
 :data:`RANK_FIELDS` (and in ``docs/signals.md``).
 
-Barrier: each rank counts its arrivals in ``barrier_arrivals``; the k-th
-barrier completes for a rank when every participant's count is >= k.  A rank
-that arrives posts every other participant's wake semaphore
-(``/kvswap.<ns>.wake.r<r>``), so waiters sleep instead of spinning; they wake
-at least every 50 ms to check for a FAILED or silent participant (abort) and
-for their deadline (timeout).  A rank that gives up withdraws its arrival.
+Barrier: each rank publishes in ``barrier_arrivals`` the highest barrier
+generation it has reached; generation g completes for a rank when every
+participant's value is >= g.  A rank that arrives posts every other
+participant's wake semaphore (``/kvswap.<ns>.wake.r<r>``), so waiters sleep
+instead of spinning; they wake at least every 50 ms to check for a FAILED or
+silent participant (abort) and for their deadline (timeout).  An arrival is
+never withdrawn: it says the rank reached the point the barrier stands for,
+which giving up the wait does not undo (:class:`Barrier`).
 """
 
 from __future__ import annotations
@@ -188,8 +190,8 @@ RANK_FIELDS: tuple[Slot, ...] = (
          "blocks per device tensor"),
     Slot("num_host_blocks", 12, "daemon control thread", "client (range checks), status",
          "blocks per host tensor"),
-    Slot("barrier_arrivals", 13, "the rank's barrier caller (control thread)", "barrier",
-         "barriers entered"),
+    Slot("barrier_arrivals", 13, "the rank's barrier caller (control thread; main thread "
+         "at a restart)", "barrier", "highest barrier generation reached (no wait lowers it)"),
     Slot("last_error", 14, "daemon (any thread, via state machine)", "launcher, client, status",
          "ErrorCode of the last failure"),
     Slot("swap_bytes_total", 15, "daemon control thread", "status", "size of the host swap pool"),
@@ -655,8 +657,8 @@ def wait_with_abort(ready: Callable[[], T | None], *, deadline: float,
        a participant is FAILED or silent (the exception names it).
     3. the monotonic ``deadline``: once past it, raise ``timed_out()``.
 
-    Whatever ends the wait with an exception, ``give_up()`` runs first (a barrier
-    withdraws its arrival, an agreement marks its round aborted for its peers).
+    Whatever ends the wait with an exception, ``give_up()`` runs first (an
+    agreement marks its round aborted for its peers).
     Between turns it sleeps on ``wake``, which whoever changes what ``ready`` reads
     posts, so a waiter wakes at once instead of spinning; but at most ``interval_s``,
     so a participant that dies without posting is still noticed.
@@ -714,6 +716,19 @@ class Barrier:
     :class:`BarrierTimeout` naming the ranks that never arrived, or
     :class:`BarrierAborted` as soon as a missing participant is FAILED or its
     heartbeat is older than ``stale_after_s``.
+
+    Each rank's ``barrier_arrivals`` is the highest generation it reached, and a
+    generation g is passed when every participant's is >= g.  An arrival is never
+    withdrawn, not even by a rank that gives up waiting: it states that the rank
+    reached the point g stands for, which stays true.  A withdrawn arrival made
+    counts lie instead: a rank that gave up g and then entered another barrier
+    arrived at g again, so a peer still waiting in the first g passed on an arrival
+    at the second, and the second passed on the peer's arrival at the first.  With
+    arrivals that stay, a rank that gave up g is at g, and its next barrier is g + 1
+    whichever it is.  A caller whose barriers mean different things passes
+    ``generation`` so that no generation is shared by two of them (the daemon's
+    clear barriers are even, its start-up barriers odd: daemon/startup.py);
+    re-entering a generation already reached waits for it without arriving again.
     """
 
     ABORT_CHECK_S = 0.05
@@ -744,17 +759,32 @@ class Barrier:
         col = self.seg.ranks[:, RankSlot.BARRIER_ARRIVALS]
         return [p for p in self.participants if int(col[p]) < target]
 
-    def wait(self, timeout: float, what: str = "barrier",
-             cancelled: Callable[[], bool] | None = None) -> int:
-        """Arrive and wait for every participant; ``cancelled`` is polled with the
-        abort checks and makes the wait raise :class:`BarrierAborted`.  A completed
-        barrier wins over a cancel seen in the same turn: the others may have passed
-        it already, so this rank must not withdraw."""
+    @property
+    def reached(self) -> int:
+        """The highest generation this rank has reached."""
+        return int(self.seg.ranks[self.rank, RankSlot.BARRIER_ARRIVALS])
+
+    def arrive(self, generation: int) -> None:
+        """Record that this rank reached ``generation`` (a value already higher stays)
+        and wake the other participants; :meth:`wait` starts with it, and a rank that
+        reached the point without waiting for the others may call it alone."""
         me = self.seg.rank(self.rank)
-        target = me[RankSlot.BARRIER_ARRIVALS] + 1
-        me[RankSlot.BARRIER_ARRIVALS] = target
+        if me[RankSlot.BARRIER_ARRIVALS] < generation:
+            me[RankSlot.BARRIER_ARRIVALS] = generation
         for sem in self._others:
             sem.release()
+
+    def wait(self, timeout: float, what: str = "barrier",
+             cancelled: Callable[[], bool] | None = None, generation: int | None = None) -> int:
+        """Arrive at ``generation`` (default: the one after the highest this rank
+        reached) and wait for every participant to reach it; ``cancelled`` is polled
+        with the abort checks and makes the wait raise :class:`BarrierAborted`.  A
+        completed barrier wins over a cancel seen in the same turn.  Giving up leaves
+        the arrival in place (class doc)."""
+        target = self.reached + 1 if generation is None else generation
+        if target < 1:
+            raise ValueError(f"barrier generations start at 1, got {target}")
+        self.arrive(target)
         missing: list[int] = []  # as of the last check
 
         def everyone_arrived() -> int | None:
@@ -781,12 +811,9 @@ class Barrier:
             return BarrierTimeout(f"{what} (generation {target}) on rank {self.rank} timed out "
                                   f"after {timeout:.1f}s waiting for {detail}")
 
-        def withdraw() -> None:
-            me[RankSlot.BARRIER_ARRIVALS] = target - 1
-
         return wait_with_abort(everyone_arrived, deadline=time.monotonic() + timeout,
                                wake=self._own, interval_s=self.ABORT_CHECK_S, abort=abort,
-                               timed_out=timed_out, give_up=withdraw)
+                               timed_out=timed_out)
 
 
 def wait_ranks(seg: SignalSegment, ranks: Iterable[int], want: Callable[[int], bool],

@@ -101,10 +101,11 @@ class Registrar:
         # Under _lock: a restarted daemon's next register joins the serving ranks
         # (expect_join), keeping its predecessor's layout; the state a register that
         # meets no barrier settles in (Lifecycle._settle).
-        self._joining = False
+        self.joining = False
         self._predecessor_layout: list[TensorDesc] | None = None
         self.settle_to = RankState.READY
-        self._path: Path = rank.names.run_dir / f"rank{rank.index}.register"
+        # the last register's message (_save), which a restarted daemon re-attaches from
+        self.register_file: Path = rank.names.run_dir / f"rank{rank.index}.register"
 
     # ---------------------------------------------------------------- I/O thread
     def admit(self, job: Job, req: Request | None) -> None:
@@ -118,7 +119,7 @@ class Registrar:
             state = rank.sm.state
             replacing = bool(hdr.get("replace")) and self._registration is not None \
                 and state in (RankState.READY, RankState.PAUSED)
-            joining = (self._joining and not job.rejoin and self._registration is None
+            joining = (self.joining and not job.rejoin and self._registration is None
                        and state is RankState.ATTACHING)
             if not replacing and (self._registration is not None
                                   or state is not RankState.ATTACHING):
@@ -195,7 +196,7 @@ class Registrar:
         """The rank left ATTACHING for the state :attr:`settle_to` named (control thread):
         from here on a register is a first one again, until the next restart."""
         with self._lock:
-            self._joining = False
+            self.joining = False
             self.settle_to = RankState.READY
 
     def _answer_repeat(self, job: Job, state: RankState) -> None:
@@ -372,7 +373,7 @@ class Registrar:
             sig[RankSlot.SWAP_BYTES_PINNED] = 0
         else:
             self._kept_swap = att.swap
-        self._path.unlink(missing_ok=True)
+        self.register_file.unlink(missing_ok=True)
 
     def forget(self) -> None:
         """Restore: the next register attaches anew."""
@@ -391,21 +392,16 @@ class Registrar:
             for user in self._pool_users:  # before the pool is unmapped (idempotent)
                 user.detach()
             swap.close(unlink=True)
-        self._path.unlink(missing_ok=True)
+        self.register_file.unlink(missing_ok=True)
 
     # ---------------------------------------------------------------- start-up / restart
-    @property
-    def register_file(self) -> Path:
-        """The last register's message (:meth:`_save`), for a restarted daemon."""
-        return self._path
-
     def expect_join(self, mode: RankState, layout: list[TensorDesc] | None) -> None:
         """A restarted daemon in a namespace that serves (main thread, before serving):
         its next register settles in ``mode`` without the start-up barrier, and one
         that is not its predecessor's re-attach must keep ``layout`` (the predecessor's;
         None when unknown): :meth:`_admit_join`."""
         with self._lock:
-            self._joining = True
+            self.joining = True
             self.settle_to = mode
             self._predecessor_layout = layout
 
@@ -413,8 +409,8 @@ class Registrar:
         """Keep the worker's last register message, so a restarted daemon can re-open
         the same tensors (shm names, or CUDA IPC handles that stay valid while the
         worker lives) without waiting for the worker."""
-        tmp = self._path.with_suffix(".tmp")
+        tmp = self.register_file.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(packb({"backend": header["backend"], "tensors": header["tensors"]}))
-        os.replace(tmp, self._path)
+        os.replace(tmp, self.register_file)

@@ -33,7 +33,7 @@ from kvswap.daemon.io_loop import IoLoop
 from kvswap.daemon.jobs import Completion, Handler, Job
 from kvswap.daemon.peer_ops import PeerOps
 from kvswap.daemon.rank import RankContext
-from kvswap.daemon.startup import Startup
+from kvswap.daemon.startup import Startup, clear_generation, startup_generation
 from kvswap.daemon.transfers import Transfers
 
 log = logging.getLogger("kvswap.daemon")
@@ -103,7 +103,10 @@ class Lifecycle:
                     assert att is not None
                     self._exactly.replay_in_doubt(att.num_device_blocks, att.num_host_blocks,
                                                   partial(self._transfers.execute, att=att))
-                    self._settle()
+                    if self._registrar.joining:  # the other ranks serve: no barrier to meet
+                        self._settle()
+                    else:  # a restore under way: the other ranks meet the start-up barrier
+                        self._startup_barrier()
                 elif job.replace:  # the other ranks serve on: no barrier to meet
                     # A replace drained first, so nothing is in doubt; a restarted daemon
                     # joining with new tensors (Registrar._admit_join) may have tasks its
@@ -115,12 +118,14 @@ class Lifecycle:
                     self._startup_barrier()
 
     def _startup_barrier(self) -> None:
-        """All ranks attached before any reports READY."""
+        """All ranks attached before any reports READY (an odd generation:
+        :func:`~kvswap.daemon.startup.startup_generation`)."""
         rank = self._rank
         barrier = Barrier(rank.seg, rank.index, stale_after_s=rank.cfg.stale_after_s)
         try:
             barrier.wait(rank.cfg.attach_timeout_s, what="start-up barrier",
-                         cancelled=rank.stopping.is_set)
+                         cancelled=rank.stopping.is_set,
+                         generation=startup_generation(barrier.reached))
         except KvswapError as exc:
             if not rank.stopping.is_set():
                 rank.sm.fail(exc.code, exc.message)
@@ -149,7 +154,9 @@ class Lifecycle:
 
     def run_clear(self, job: Job, req: Request | None) -> dict:
         """Drain, release the device mappings (and the pool if asked), barrier: every
-        rank reports CLEARED before any answers."""
+        rank reports CLEARED before any answers.  A rank that gives up the barrier
+        (a stalled or dead peer) stays arrived: it is CLEARED, which is what its
+        arrival says, so a peer that clears later passes on it."""
         rank, cfg = self._rank, self._rank.cfg
         drained = poll_until(lambda: True if rank.sig[RankSlot.INFLIGHT] == 0 else None,
                              time.monotonic() + cfg.drain_timeout_s)
@@ -163,7 +170,8 @@ class Lifecycle:
         barrier = Barrier(rank.seg, rank.index, stale_after_s=cfg.stale_after_s)
         try:
             barrier.wait(cfg.attach_timeout_s, what="clear barrier",
-                         cancelled=rank.stopping.is_set)
+                         cancelled=rank.stopping.is_set,
+                         generation=clear_generation(barrier.reached))
         finally:
             barrier.close()
         if rank.index == 0:

@@ -24,12 +24,30 @@ from kvswap.client.errors import KvswapError
 from kvswap.client.layout import TensorDesc, demo_layout, validate_layout
 from kvswap.client.protocol import Op
 from kvswap.client.shm_region import ShmRegion
-from kvswap.client.signals import RankState
+from kvswap.client.signals import Barrier, RankSlot, RankState
 from kvswap.daemon.attachment import Registrar
 from kvswap.daemon.jobs import Job
 from kvswap.daemon.rank import RankContext
 
 log = logging.getLogger("kvswap.daemon")
+
+def startup_generation(reached: int) -> int:
+    """The start-up barrier's generation for a rank whose ``barrier_arrivals`` is
+    ``reached``.  A namespace's barriers come in one order: the launch's start-up
+    barrier, then per weight update a clear barrier and the start-up barrier after
+    the restore.  Numbered 1, then 2k and 2k + 1 for the k-th update, start-up
+    barriers are odd and clear barriers even, so an arrival at one never counts
+    for the other (client/signals.py, Barrier), and every rank computes the same
+    number from its own count, whichever barriers it gave up: an arrival is never
+    withdrawn.  A rank that re-enters the one it last reached (a restarted daemon
+    whose predecessor arrived) waits for it without arriving twice."""
+    return reached if reached % 2 else reached + 1
+
+
+def clear_generation(reached: int) -> int:
+    """The clear barrier's generation (even; :func:`startup_generation`)."""
+    return reached + 1 if reached % 2 else reached
+
 
 SERVING = frozenset({RankState.READY, RankState.PAUSED})
 CLEARING_OR_CLEARED = frozenset({RankState.CLEARING, RankState.CLEARED})
@@ -92,7 +110,10 @@ class Startup:
                      "%s): back CLEARED, waiting for restore_caches()", rank.epoch,
                      rank.predecessor.name)
             rank.sm.to(RankState.CLEARED, only_from=frozenset({RankState.ATTACHING}))
+            self._align_barrier(mode)
             return
+        if mode is not None:
+            self._align_barrier(mode)
         layout = None
         path = self._registrar.register_file
         header = None
@@ -120,6 +141,40 @@ class Startup:
             except KvswapError as exc:
                 log.warning("restart: re-attach refused (%.200r); waiting for the worker to "
                             "register again", exc.message)
+
+    def _align_barrier(self, mode: RankState) -> None:
+        """Take the barrier generation the namespace is at (``barrier_arrivals``, which
+        the main thread writes here, before the control thread enters any barrier).
+
+        The predecessor's count is the rank's if its own state gave the mode
+        (:func:`rejoin_mode`, rule 1): it was in that very mode.  Otherwise it may be
+        ahead of the namespace: a predecessor restored alone attached, arrived at the
+        start-up barrier after the clear, and failed there while the other ranks
+        stayed CLEARED.  That arrival said "attached", which this daemon is not, and
+        left standing it would let those ranks pass their start-up barrier without
+        it; so the count is taken from the ranks that are in the mode (the lowest,
+        should they differ).  Coming back CLEARED, the rank then arrives at the clear
+        barrier (even: :func:`clear_generation`) which the others may be waiting in
+        for a predecessor that died before it arrived: it is CLEARED, which is what
+        that arrival says."""
+        rank, seg = self._rank, self._rank.seg
+        if rank.predecessor in CLEARING_OR_CLEARED | SERVING:
+            at = int(rank.sig[RankSlot.BARRIER_ARRIVALS])
+        else:
+            peers = CLEARING_OR_CLEARED if mode is RankState.CLEARED else SERVING
+            at = min(int(seg.ranks[r, RankSlot.BARRIER_ARRIVALS]) for r in range(seg.tp_size)
+                     if r != rank.index and seg.state_of(r) in peers)
+        if mode is RankState.CLEARED:
+            at = clear_generation(at)
+        if at != int(rank.sig[RankSlot.BARRIER_ARRIVALS]):
+            log.info("restart: barrier generation %d -> %d (the namespace's)",
+                     int(rank.sig[RankSlot.BARRIER_ARRIVALS]), at)
+            rank.sig[RankSlot.BARRIER_ARRIVALS] = at
+        barrier = Barrier(seg, rank.index)
+        try:
+            barrier.arrive(at)  # wakes the ranks that may wait for it
+        finally:
+            barrier.close()
 
     def create_demo_caches(self, rejoin: bool) -> None:
         """--demo-caches: simulated device tensors owned by this daemon, registered

@@ -647,3 +647,40 @@ def test_a_failed_rank_is_killed_and_restarted(namespaces, caplog):
         assert sup.reasons == []
     assert launcher.supervisor.ranks[1].restarts == 1
     assert "rank 1 (pid" in caplog.text and "is FAILED [501 BARRIER_TIMEOUT]" in caplog.text
+
+
+def test_a_rank_stalled_through_a_clear_barrier_does_not_split_the_next_one(namespaces):
+    """Rank 1 is stopped (SIGSTOP) while a clear runs: rank 0 clears, waits in the clear
+    barrier, and gives up when rank 1's heartbeat goes stale.  Rank 0 used to withdraw
+    its arrival; then, after the restore, its start-up barrier passed on rank 1's
+    late clear-barrier arrival (same count, another barrier), rank 0 went READY with
+    rank 1 not re-registered, and rank 1's start-up barrier waited for a rank that
+    would never enter it again: FAILED BARRIER_TIMEOUT.
+
+    An arrival now stands for the state its barrier asserts (every rank CLEARED,
+    every rank attached) and is never withdrawn; clear barriers have even
+    generations, start-up ones odd.  Rank 1's clear passes on rank 0's standing
+    arrival (rank 0 is CLEARED), and the start-up barrier after the restore is met
+    by both ranks' registers."""
+    launcher = namespaces.launch(tp=2, demo_caches=LAYOUT, host_blocks=HOST,
+                                 stale_after_s=1.0, attach_timeout_s=8.0)
+    seg = launcher.seg
+    log0 = launcher.names.log_path(0, launcher.log_dir)
+    daemon1 = launcher.procs[1]
+    with _client(launcher) as client:
+        daemon1.send_signal(signal.SIGSTOP)
+        try:
+            cleared = client.clear_caches()
+            _until(lambda: "clear barrier" in log0.read_text()
+                   and "rank 1 has not beaten" in log0.read_text(), 30, "rank 0 to give up")
+        finally:
+            daemon1.send_signal(signal.SIGCONT)
+        with pytest.raises(TransferFailed) as ei:
+            cleared.result(30)
+        assert [(f.rank, f.code) for f in ei.value.failures] == [(0, ErrorCode.BARRIER_ABORTED)]
+        assert [seg.state_of(r) for r in range(2)] == [RankState.CLEARED] * 2
+        client.restore_caches().result(10)
+        client.wait_ready(20)
+        assert int(seg.header[HeaderSlot.KVCACHE_STATUS]) == KvCacheStatus.NORMAL
+        client.evict([1], [1]).result(20)
+    assert [int(seg.ranks[r, RankSlot.BARRIER_ARRIVALS]) for r in range(2)] == [3, 3]

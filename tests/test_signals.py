@@ -150,7 +150,9 @@ def test_barrier_with_three_processes_is_reusable(segment):
                 p.kill()
 
 
-def test_barrier_timeout_names_the_missing_rank_and_withdraws(segment):
+def test_barrier_timeout_names_the_missing_rank_and_keeps_the_arrival(segment):
+    """A rank that gives up stays arrived: a withdrawn arrival let a later barrier of
+    the same count pass on a peer's arrival at the one given up."""
     seg = segment
     seg.rank(1)[RankSlot.BARRIER_ARRIVALS] = 1  # rank 1 already arrived; rank 2 never will
     b = Barrier(seg, 0)
@@ -159,11 +161,39 @@ def test_barrier_timeout_names_the_missing_rank_and_withdraws(segment):
         with pytest.raises(BarrierTimeout) as ei:
             b.wait(timeout=0.3)
         assert time.monotonic() - t0 < 5
+        assert int(seg.ranks[0, RankSlot.BARRIER_ARRIVALS]) == 1  # not withdrawn
+        seg.rank(2)[RankSlot.BARRIER_ARRIVALS] = 1  # the late rank passes on it
+        late = Barrier(seg, 2)
+        try:
+            assert late.wait(timeout=5, generation=1) == 1
+        finally:
+            late.close()
+        with pytest.raises(BarrierTimeout, match=r"\(generation 2\)"):  # the next is 2
+            b.wait(timeout=0.1)
     finally:
         b.close()
     msg = str(ei.value)
     assert "rank 2" in msg and "rank 1 " not in msg
-    assert int(seg.ranks[0, RankSlot.BARRIER_ARRIVALS]) == 0  # withdrawn
+
+
+def test_barrier_generations_of_another_kind_never_count(segment):
+    """Generations named by the caller: an arrival at an even (clear) generation never
+    satisfies an odd (start-up) one; re-entering a generation reached does not arrive
+    twice."""
+    seg = segment
+    for r in (1, 2):
+        seg.rank(r)[RankSlot.BARRIER_ARRIVALS] = 2
+    b = Barrier(seg, 0)
+    try:
+        with pytest.raises(BarrierTimeout, match="rank 1 .*rank 2 "):
+            b.wait(timeout=0.2, generation=3)
+        assert b.reached == 3
+        assert b.wait(timeout=0.2, generation=2) == 2  # the others are there
+        assert b.reached == 3  # never lowered
+        with pytest.raises(ValueError):
+            b.wait(timeout=0.2, generation=0)
+    finally:
+        b.close()
 
 
 def test_barrier_aborts_when_a_participant_failed(segment):

@@ -199,3 +199,40 @@ def test_a_daemon_restarted_while_the_engine_was_down_joins_the_new_engine(names
         for r in range(TP):
             for n in NAMES:
                 unlink_shm(names.device_segment(r, n))
+
+
+def test_a_replacing_register_keeps_a_paused_namespace_paused(namespaces):
+    """A new engine replaces the tensors while the namespace is paused: each rank
+    used to end READY, so transfers ran on a namespace the engine had paused.  It
+    ends PAUSED, as it began, until resume."""
+    from kvswap.client.errors import TransferFailed
+
+    launcher = namespaces.launch(tp=TP, demo_caches=None, host_blocks=HOST_BLOCKS, wait=False)
+    names, seg = launcher.names, launcher.seg
+    first = [_new_worker(names, r) for r in range(TP)]
+    workers = [w for w, _ in first]
+    try:
+        for worker, tensors in first:
+            worker.register(tensors, timeout=30)
+        launcher.wait_ready(30)
+        with TransferClient(names.namespace, TP, run_root=str(names.run_root)) as client:
+            client.pause().result(20)
+            second = []
+            for r, (worker, _) in enumerate(first):
+                worker.close()  # the old engine is gone, its tensors with it
+                new, tensors = _new_worker(names, r)
+                workers.append(new)
+                second.append(tensors)
+                assert new.register(tensors, timeout=30, replace=True).ok
+            assert [seg.state_of(r) for r in range(TP)] == [RankState.PAUSED] * TP
+            with pytest.raises(TransferFailed) as ei:
+                client.evict([1], [1]).result(20)
+            assert {f.code for f in ei.value.failures} == {ErrorCode.PAUSED}
+            client.resume().result(10)
+            assert all(r.ok for r in client.evict([1], [1]).result(20).replies.values())
+    finally:
+        for w in workers:
+            w.close()
+        for r in range(TP):
+            for n in NAMES:
+                unlink_shm(names.device_segment(r, n))

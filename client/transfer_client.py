@@ -458,13 +458,14 @@ class _Dispatcher:
                                 affected)
 
     def watch(self) -> None:
-        """Freeze ranks whose epoch changed; re-send to frozen ranks that are READY."""
+        """Freeze ranks whose epoch changed; re-send to frozen ranks that serve again
+        (:data:`SERVING`)."""
         for r in range(self.tp_size):
             try:
                 epoch = self._rank_epoch(r)
                 if epoch != self._epochs[r] and r not in self._frozen:
                     log.warning("rank %d restarted (epoch %d -> %d); holding its traffic until "
-                                "it is READY", r, self._epochs[r], epoch)
+                                "it serves again", r, self._epochs[r], epoch)
                     self._frozen.add(r)
                 if r in self._frozen and self._rank_ready(r):
                     self._unfreeze(r, epoch)
@@ -737,6 +738,12 @@ class _Dispatcher:
             self.post(dep)
 
 
+# The states in which a restarted rank takes its held traffic again: READY, or the
+# namespace's mode it came back into (a paused or cleared namespace), where it answers
+# transfers PAUSED / CLEARED and the resume() or restore_caches() that ends the mode.
+SERVING = frozenset({RankState.READY, RankState.PAUSED, RankState.CLEARED})
+
+
 def _client_closed() -> KvswapError:
     return KvswapError("TransferClient is closed", ErrorCode.SHUTTING_DOWN)
 
@@ -817,7 +824,7 @@ class TransferClient:
         self._ctx = self._wire.ctx
         self._io = _Dispatcher(tp_size, self.cid, self._wire, task_timeout,
                                rank_epoch=lambda r: int(self.seg.ranks[r, RankSlot.EPOCH]),
-                               rank_ready=lambda r: self.seg.state_of(r) == RankState.READY,
+                               rank_ready=lambda r: self.seg.state_of(r) in SERVING,
                                describe=self._describe, why_silent=self._why_silent,
                                signed=self._secret is not None)
         # Under _lock: the dispatcher, every send, _closed, _idle.  Re-entrant: a

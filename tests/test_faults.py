@@ -520,7 +520,9 @@ def test_a_rank_restarted_while_paused_comes_back_paused(namespaces):
     evict sent during the pause was refused by rank 0 only and ran on rank 1.  It
     comes back PAUSED (its predecessor's state, read from the signal segment before
     it is overwritten): the evict is refused PAUSED by both ranks and changes nothing,
-    and a resume brings both back."""
+    and a resume brings both back, sent by the client that was open across the
+    restart (it holds a restarted rank's traffic until the rank serves, and a PAUSED
+    rank serves: waiting for READY held the resume that would end the pause)."""
     launcher = namespaces.launch(tp=2, demo_caches=LAYOUT, host_blocks=HOST,
                                  supervision=SupervisorConfig(backoff_s=0.05))
     seg = launcher.seg
@@ -530,13 +532,12 @@ def test_a_rank_restarted_while_paused_comes_back_paused(namespaces):
         for rank, view in enumerate(views):
             for ti, t in enumerate(tensors):
                 view.device[ti][:] = pattern(rank, ti, np.arange(1, 65), t.bytes_per_block // 8)
-        with _client(launcher) as client:
-            client.pause().result(20)
-        with Supervising(launcher) as sup:
-            _kill_and_wait_respawn(launcher, 1)
-            assert sup.reasons == []
-        assert [seg.state_of(r) for r in range(2)] == [RankState.PAUSED] * 2
-        with _bare_client(launcher) as client:
+        with _client(launcher) as client:  # open across the restart: it holds rank 1's
+            client.pause().result(20)     # traffic until the rank serves (PAUSED counts)
+            with Supervising(launcher) as sup:
+                _kill_and_wait_respawn(launcher, 1)
+                assert sup.reasons == []
+            assert [seg.state_of(r) for r in range(2)] == [RankState.PAUSED] * 2
             with pytest.raises(TransferFailed) as ei:
                 client.evict([1, 2], [5, 6]).result(20)
             assert [(f.rank, f.code) for f in ei.value.failures] == [

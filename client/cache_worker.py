@@ -197,8 +197,12 @@ class CacheWorker:
         layers, dtypes, block shapes) must be the one in effect; the daemon lets the
         tasks it accepted finish, attaches the new tensors and keeps its host pool
         with its contents (``reply.fields["host_pool_kept"]``), then is READY again
-        without waiting for the other ranks.  On a rank with nothing attached it is
-        an ordinary register.  See docs/operations.md, "Engine restarts".
+        without waiting for the other ranks.  On a rank whose daemon was restarted
+        while the engine was down (nothing attached: its predecessor's tensors are
+        gone) it adopts the host pool if the layout is the predecessor's
+        (``host_pool_kept`` says whether it did) and joins the serving ranks, with or
+        without ``replace``.  On a fresh namespace it is an ordinary register.  See
+        docs/operations.md, "Engine restarts".
         """
         if not isinstance(replace, bool):
             raise ValueError(f"replace must be a bool, got {replace!r}")

@@ -50,7 +50,7 @@ class Job:
     t_recv: int
     header: dict = field(default_factory=dict)
     tensors: list[TensorDesc] = field(default_factory=list)
-    rejoin: bool = False  # re-attach after a restart: the other ranks are READY, no barrier
+    rejoin: bool = False  # a restarted daemon re-attaching its predecessor's caches
     replace: bool = False  # register replacing the attached tensors (an engine restart)
     keys: np.ndarray | None = None  # storage ops: (n, 32) block keys
     jseq: int | None = None  # the task's completion-journal record, once admitted

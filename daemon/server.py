@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 
 import zmq
 
@@ -33,7 +34,7 @@ from kvswap.daemon.attachment import AttachmentSlot, Registrar
 from kvswap.daemon.backend import make_backend
 from kvswap.daemon.config import DaemonConfig
 from kvswap.daemon.exactly_once import ExactlyOnce
-from kvswap.daemon.io_loop import IoLoop
+from kvswap.daemon.io_loop import STOP_SIGNALS, IoLoop
 from kvswap.daemon.jobs import DaemonError, Handler, Job, check_handlers
 from kvswap.daemon.journal import Journal
 from kvswap.daemon.lifecycle import Lifecycle
@@ -61,6 +62,13 @@ class Daemon:
         1 if the I/O loop crashed, 2 if the socket cannot be bound; the heartbeat
         thread ends a stop still running after --drain-timeout with status 3)."""
         cfg = self.cfg
+        # A stop signal before the I/O loop takes them (the launcher's SIGTERM, or the
+        # heartbeat's own when it finds the daemon orphaned at its first beat) would
+        # end the process where it stands, leaving its journal and state behind: it
+        # is held here and raised again once the I/O loop's clean stop can run.
+        held: list[int] = []
+        for s in STOP_SIGNALS:
+            signal.signal(s, lambda signum, _frame: held.append(signum))
         rank = RankContext.open(cfg)
         crashpoints.configure(rank.names.run_dir)
         journal = Journal.open(rank.names, rank.index, cfg.journal_records, cfg.journal_mib << 20)
@@ -72,7 +80,7 @@ class Daemon:
         heartbeat = Heartbeat(rank)
         heartbeat.start()
         try:
-            io = IoLoop(rank, self._secret)
+            io = IoLoop(rank, self._secret)  # takes over the stop signals
         except zmq.ZMQError as exc:
             rank.sm.fail(ErrorCode.NAMESPACE_ERROR,
                          f"cannot bind {rank.names.endpoint(rank.index)}: {exc}")
@@ -80,6 +88,8 @@ class Daemon:
             heartbeat.stop()
             rank.close()
             return 2
+        if held:
+            os.kill(os.getpid(), held[0])  # now the I/O loop's: the clean stop
         control: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         slot = AttachmentSlot()
         exactly = ExactlyOnce(rank, journal, io)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,11 +25,11 @@ from kvswap.client.layout import TensorDesc
 from kvswap.client.monitor import format_table, read_status
 from kvswap.client.naming import Names
 from kvswap.client.shm_region import SegmentExists, ShmRegion, segment_users
-from kvswap.client.signals import HeaderSlot, RankState, poll_until
+from kvswap.client.signals import HeaderSlot, RankState, pid_alive, poll_until
 from kvswap.daemon import swap_space
 from kvswap.daemon.cli import LaunchProgress, Outlet
 from kvswap.daemon.config import LaunchConfig
-from kvswap.daemon.launcher import Launcher, error_lines, shm_needs
+from kvswap.daemon.launcher import Launcher, error_lines, shm_needs, sweep_namespace
 from kvswap.daemon.logs import LINE, formatter
 from kvswap.daemon.storage import check_url
 from kvswap.daemon.swap_space import HostMemory, HostSwapSpace, SwapLayout, blocks_that_fit
@@ -569,3 +570,37 @@ def test_wait_ready_returns_when_the_engine_paused_before_it_looked(namespaces):
         launcher.wait_ready(timeout=5)
         assert launcher.supervise_once() is None
         client.resume().result(10)
+
+
+def test_a_daemon_orphaned_before_its_io_loop_runs_stops_cleanly(namespaces):
+    """The launcher dies right after spawning: the daemon's first heartbeat finds it
+    orphaned and sends itself SIGTERM, before the I/O loop takes the stop signals.
+    That SIGTERM used to kill it where it stood, leaving its completion journal in
+    /dev/shm and its rank STARTING; it is now held and raised again once the I/O
+    loop runs, so the daemon takes the clean stop and removes what it made."""
+    names = namespaces.new()
+    code = ("import os, sys\n"
+            "from kvswap.daemon.config import LaunchConfig\n"
+            "from kvswap.daemon.launcher import Launcher\n"
+            f"l = Launcher(LaunchConfig(namespace={names.namespace!r}, "
+            f"run_root={str(names.run_root)!r}, tp=1, demo_caches={SMALL_LAYOUT!r}, "
+            "host_blocks=8, orphan_timeout_s=0.05))\n"
+            "l.start()\n"
+            "print(l.procs[0].pid, flush=True)\n"
+            "os._exit(0)  # gone without a stop, its daemon left running\n")
+    pid = None
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        pid = int(out.stdout.split()[-1])
+        assert poll_until(lambda: None if pid_alive(pid) else True, time.monotonic() + 30)
+        log = names.log_path(0).read_text()
+        assert "orphaned: launcher pid" in log and "stopping: signal SIGTERM" in log, log
+        assert names.journal_segment(0)[1:] not in names.owned_shm()
+        assert read_status(names.namespace, str(names.run_root))["ranks"][0]["state"] == "STOPPED"
+    finally:
+        if pid is not None and pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        sweep_namespace(names)  # what the dead launcher would have removed
+        shutil.rmtree(names.run_dir, ignore_errors=True)

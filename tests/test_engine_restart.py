@@ -59,6 +59,16 @@ def _new_worker(names, rank: int, tensor_names=NAMES) -> tuple[CacheWorker, list
     return worker, tensors
 
 
+def _release(workers: list[CacheWorker], names) -> None:
+    """Close the workers and unlink every device tensor a worker of the test made
+    (those of a killed engine process too)."""
+    for w in workers:
+        w.close()
+    for r in range(TP):
+        for n in NAMES:
+            unlink_shm(names.device_segment(r, n))
+
+
 def test_new_engine_replaces_a_killed_one_and_loads_from_the_kept_pool(namespaces):
     launcher = namespaces.launch(tp=TP, demo_caches=None, host_blocks=HOST_BLOCKS, wait=False)
     names = launcher.names
@@ -120,11 +130,7 @@ def test_new_engine_replaces_a_killed_one_and_loads_from_the_kept_pool(namespace
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-        for w in workers:
-            w.close()
-        for r in range(TP):
-            for n in NAMES:
-                unlink_shm(names.device_segment(r, n))
+        _release(workers, names)
 
 
 def test_a_daemon_restarted_while_the_engine_was_down_joins_the_new_engine(namespaces):
@@ -194,11 +200,7 @@ def test_a_daemon_restarted_while_the_engine_was_down_joins_the_new_engine(names
                     assert np.array_equal(ct.array[i], _pattern(r, t, i)), (r, ct.name, i)
         assert "joins the serving ranks without the start-up barrier" in log1.read_text()
     finally:
-        for w in workers:
-            w.close()
-        for r in range(TP):
-            for n in NAMES:
-                unlink_shm(names.device_segment(r, n))
+        _release(workers, names)
 
 
 def test_a_replacing_register_keeps_a_paused_namespace_paused(namespaces):
@@ -231,8 +233,4 @@ def test_a_replacing_register_keeps_a_paused_namespace_paused(namespaces):
             client.resume().result(10)
             assert all(r.ok for r in client.evict([1], [1]).result(20).replies.values())
     finally:
-        for w in workers:
-            w.close()
-        for r in range(TP):
-            for n in NAMES:
-                unlink_shm(names.device_segment(r, n))
+        _release(workers, names)

@@ -5,7 +5,11 @@ One :class:`PeerRuntime` per rank daemon started with ``--peer-transfer``:
 * :class:`PeerEngine` wraps one ``mooncake.engine.TransferEngine`` in P2P
   handshake mode (no metadata server) and registers the rank's host pool with
   it once, at register (the pool is one shm mapping; every block of every
-  tensor lies inside it).
+  tensor lies inside it): the pool is what this rank *sends* from.
+* :class:`~kvswap.daemon.peer_windows.PeerWindows`: what a sender writes
+  *into* here.  Each begun receive gets a window of its own (another mapping
+  of the pool, registered), fenced off before the blocks are released when
+  the receive ends without ``done`` (daemon/peer_windows.py says why).
 * :class:`~kvswap.daemon.peer_receiver.PeerReceiver` holds the receives armed on
   this rank and owns a ZMQ
   ROUTER on ``tcp://--peer-host:*`` (the ticket's ``notify``): the path by
@@ -16,18 +20,20 @@ One :class:`PeerRuntime` per rank daemon started with ``--peer-transfer``:
 One push, rank r of the sender to rank r of the receiver::
 
     sender daemon                                   receiver daemon
-      begin {nonce, rank, ticket}  ---------------->  receive armed (its blocks are held
+      begin {nonce, rank, ticket, v}  ------------->  receive armed (its blocks are held
                                                       in the hazard table)? else parked
-                                   <----------------  ok (or a refusal: unknown nonce,
-                                                      bad HMAC, other ticket)
-      batch_transfer_sync_write (Transfer Engine, straight into the pool)
+                                   <----------------  ok {bases: its window} (or a refusal:
+                                                      unknown nonce, bad HMAC, other ticket)
+      batch_transfer_sync_write (Transfer Engine, through the window into the pool)
       done {nonce}                 ---------------->  journal, answer peer_recv OK,
                                    <----------------  release the blocks; ok
-      (a failed write: abort {nonce, message} -> peer_recv TRANSFER_FAILED)
+      (a failed write: abort {nonce, message} -> fence, peer_recv TRANSFER_FAILED)
 
 A receive is answered once (daemon/peer_receiver.py lists how).  A sender that
 began owns the blocks until then, so a block is never reported received unless
-the sender said every byte of it was written.
+the sender said every byte of it was written (a write returns 0 only once the
+receiver acknowledged every byte applied); a receive that ends otherwise fences
+its window first, so no later byte of that sender reaches a block.
 
 The nonce is the ticket's bearer credential on the completion path (16 random
 bytes, known only to holders of the ticket); the ticket's HMAC, when the
@@ -37,6 +43,7 @@ receiving namespace has a secret, is checked again at ``begin``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Sequence
@@ -47,9 +54,12 @@ import zmq
 
 from kvswap.client.errors import ErrorCode, KvswapError
 from kvswap.client.layout import TensorDesc, layout_hash
+from kvswap.client.protocol import PROTOCOL_VERSION
+from kvswap.client.shm_region import ShmRegion
 from kvswap.client.ticket import RankEndpoint, Ticket
 from kvswap.daemon import crashpoints
 from kvswap.daemon.peer_receiver import OnEnd, PeerReceiver, packb
+from kvswap.daemon.peer_windows import PeerWindows
 
 log = logging.getLogger("kvswap.daemon.peer")
 
@@ -80,6 +90,10 @@ class PeerEngine:
                 f"--peer-transfer needs the Mooncake Transfer Engine, which cannot be imported "
                 f"({exc}): pip install 'kvswap[mooncake]' and, on Debian/Ubuntu, apt-get install "
                 f"libibverbs1") from None
+        if protocol == "tcp" and os.environ.get("MC_TCP_PROTO") == "1":
+            raise PeerUnavailable("MC_TCP_PROTO=1 makes Transfer Engine TCP writes "
+                                  "unacknowledged (a write would return before its bytes "
+                                  "landed, and done would not prove them received): unset it")
         self._te = TransferEngine()
         rc = self._te.initialize(f"{host}:0", "P2PHANDSHAKE", protocol, "")
         if rc != 0:
@@ -100,6 +114,18 @@ class PeerEngine:
         for addr in self._regions:
             self._te.unregister_memory(addr)
         self._regions = []
+
+    def register_window(self, addr: int, nbytes: int) -> None:
+        """A receive's write window (daemon/peer_windows.py owns and unregisters it)."""
+        rc = self._te.register_memory(addr, nbytes)
+        if rc != 0:
+            raise PeerFailed(f"the Transfer Engine refused to register a write window of "
+                             f"{nbytes} bytes (register_memory returned {rc})")
+
+    def unregister_window(self, addr: int) -> None:
+        rc = self._te.unregister_memory(addr)
+        if rc != 0:
+            log.error("unregister_memory of a write window returned %d", rc)
 
     def write(self, target: str, srcs: list[int], dsts: list[int], lengths: list[int]) -> None:
         """Write local ``srcs`` to the peer's ``dsts`` (both registered); all or raise."""
@@ -162,10 +188,10 @@ class PeerSender:
         receiver; return the bytes written.  Raises :class:`KvswapError` on any failure
         (the receiver then fails its receive, by ``abort`` or its own timeout)."""
         peer = ticket.ranks[rank]
-        srcs, dsts, lens = plan_spans(pool.bases, peer.bases, pool.block_bytes, src_ids,
-                                      np.asarray(ticket.block_ids, dtype=np.int64))
-        self._ask(peer.notify, {"k": "begin", "nonce": ticket.nonce, "rank": rank,
-                                "ticket": raw_ticket})
+        reply = self._ask(peer.notify, {"k": "begin", "nonce": ticket.nonce, "rank": rank,
+                                        "ticket": raw_ticket, "v": list(PROTOCOL_VERSION)})
+        srcs, dsts, lens = plan_spans(pool.bases, _window(reply, peer.bases), pool.block_bytes,
+                                      src_ids, np.asarray(ticket.block_ids, dtype=np.int64))
         try:
             self._engine.write(peer.te, srcs, dsts, lens)
         except PeerFailed as exc:
@@ -205,7 +231,7 @@ class PeerSender:
         except KvswapError as exc:
             log.warning("abort to %s not acknowledged: %s", endpoint, exc)
 
-    def _ask(self, endpoint: str, msg: dict) -> None:
+    def _ask(self, endpoint: str, msg: dict) -> dict:
         sock = self._socket(endpoint)
         sock.send(packb(msg))
         if not sock.poll(int(self._timeout_s * 1000)):
@@ -218,12 +244,26 @@ class PeerSender:
         if code != ErrorCode.OK:
             raise KvswapError(f"the receiver refused {msg['k']}: {reply.get('message', '')}",
                               code)
+        return reply
 
     def close(self) -> None:
         with self._lock:
             socks, self._sockets = self._sockets, []
         for s in socks:
             s.close(linger=0)
+
+
+def _window(reply: dict, ticket_bases: Sequence[int]) -> Sequence[int]:
+    """Where to write: the window ``begin``'s answer names (a receiver before protocol
+    1.9 names none: its pool, as the ticket says)."""
+    bases = reply.get("bases")
+    if bases is None:
+        return ticket_bases
+    if (not isinstance(bases, list) or len(bases) != len(ticket_bases)
+            or not all(isinstance(b, int) and b > 0 for b in bases)):
+        raise PeerFailed(f"the receiver answered begin with bad window bases {bases!r}",
+                         ErrorCode.PROTOCOL_ERROR)
+    return bases
 
 
 # =========================================================================== runtime
@@ -235,6 +275,7 @@ class PeerRuntime:
     def __init__(self, rank: int, host: str, protocol: str, timeout_s: float, secret: bytes,
                  on_end: OnEnd):
         self.engine = PeerEngine(host, protocol)
+        self._protocol = protocol
         self._ctx = zmq.Context(1)
         self.receiver = PeerReceiver(self._ctx, host, rank, secret, timeout_s, on_end)
         self.sender = PeerSender(self._ctx, self.engine, timeout_s)
@@ -243,16 +284,26 @@ class PeerRuntime:
                  self.engine.endpoint, self.receiver.endpoint)
 
     def attach(self, tensors: Sequence[TensorDesc], blocks: Sequence[np.ndarray],
-               region_addr: int, region_bytes: int) -> None:
-        """Register the host pool (one mapping holding every tensor's blocks)."""
-        self.engine.unregister_all()
-        self.engine.register(region_addr, region_bytes)
-        self.pool = PoolView(tuple(int(b.ctypes.data) for b in blocks),
-                             tuple(t.bytes_per_block for t in tensors), layout_hash(tensors),
-                             int(blocks[0].shape[0]))
+               region: ShmRegion, region_addr: int) -> None:
+        """Register the host pool (one mapping holding every tensor's blocks) and open
+        its write windows."""
+        self.detach()
+        self.engine.register(region_addr, region.size)
+        pool = PoolView(tuple(int(b.ctypes.data) for b in blocks),
+                        tuple(t.bytes_per_block for t in tensors), layout_hash(tensors),
+                        int(blocks[0].shape[0]))
+        self.receiver.windows = PeerWindows(self.engine, region.name, region.inode, region_addr,
+                                            region.size, pool.bases, pool.block_bytes,
+                                            accept_late=self._protocol == "tcp")
+        self.pool = pool
 
     def detach(self) -> None:
+        """No peer may write the pool any more: the windows of receives still begun are
+        fenced."""
         self.pool = None
+        windows, self.receiver.windows = self.receiver.windows, None
+        if windows is not None:
+            windows.close()
         self.engine.unregister_all()
 
     def endpoint(self, epoch: int) -> RankEndpoint:

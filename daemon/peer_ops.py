@@ -78,8 +78,7 @@ class PeerOps:
         """Register the pool just attached with the Transfer Engine (register)."""
         if self._runtime is not None:
             base = swap.region.array(0, (swap.region.size,), np.uint8)
-            self._runtime.attach(swap.tensors, swap.blocks, int(base.ctypes.data),
-                                 swap.region.size)
+            self._runtime.attach(swap.tensors, swap.blocks, swap.region, int(base.ctypes.data))
 
     def detach(self) -> None:
         """The pool is released or kept unattached (clear): no peer may write it."""
@@ -108,7 +107,7 @@ class PeerOps:
             host = np.asarray(ticket.block_ids, dtype=np.int64)
             check_ids("peer_recv", "host", host, pool.num_host_blocks, unique=True)
             runtime.receiver.expect(ticket.nonce, raw, ticket.expires_ns,
-                                    host.size * sum(pool.block_bytes))
+                                    host.size * sum(pool.block_bytes), host)
             try:
                 self._exactly.admit(job, origin, _NO_DEVICE, host)
             except KvswapError:
@@ -193,16 +192,19 @@ class PeerOps:
             self._runtime.close()
 
     # ------------------------------------------------------------------ internals
-    def _on_end(self, task: Task, code: ErrorCode, message: str, nbytes: int) -> None:
+    def _on_end(self, task: Task, code: ErrorCode, message: str, nbytes: int,
+                hold: bool = False) -> None:
         """A held receive ended (receiver thread, or the I/O thread for a cancel or a
-        stop): journal and answer it, then release its blocks."""
+        stop): journal and answer it, then release its blocks -- unless ``hold``: its
+        write window could not be fenced, so its sender may still write them, and they
+        stay held (tasks touching them wait) until the daemon restarts."""
         with self._lock:
             self._work.pop(task, None)
         fields = {"bytes": nbytes} if code == ErrorCode.OK else {}
         self._exactly.settle(Completion.now(task.ctx, code, message, time.perf_counter_ns(),
                                             fields))
         att = self._slot.current
-        if att is not None:
+        if att is not None and not hold:
             att.scheduler.finish([task])
 
     def _enabled(self) -> PeerRuntime:

@@ -11,11 +11,20 @@ A receive ends exactly once, through ``on_end``: OK after ``done``;
 TICKET_EXPIRED when its ticket expires before a sender began; TRANSFER_FAILED
 when a sender that began goes silent for ``--peer-timeout`` or aborts; CANCELLED
 on ``cancel`` before a sender began; SHUTTING_DOWN when the daemon stops.
+
+A begun receive writes through a window of its own (daemon/peer_windows.py),
+named in ``begin``'s answer.  ``done`` returns it clean; any other end of a begun
+receive fences it *before* ``on_end`` releases the blocks, so a sender that was
+only stalled cannot write them once the engine reuses them.  A fenced receive is
+kept until its sender's ``done`` (its write is over: the scratch is unmapped,
+the sender told the receive had failed) or ``abort``.  A sender before protocol
+1.9 would write the pool itself: its ``begin`` is refused VERSION_MISMATCH.
 """
 
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,10 +33,13 @@ from typing import Any, Callable
 import msgpack
 import zmq
 
-from kvswap.client.errors import ErrorCode
+from kvswap.client.errors import ErrorCode, KvswapError
 from kvswap.client.protocol import packb
 from kvswap.client.ticket import Ticket, TicketRefused
 from kvswap.daemon import crashpoints
+from kvswap.daemon.peer_windows import FENCED_SINCE, PeerWindows, Window, fences
+
+log = logging.getLogger("kvswap.daemon.peer")
 
 MAX_EARLY = 1024  # begins a receiver keeps while their receive has not arrived yet
 
@@ -38,8 +50,9 @@ class RecvState(enum.Enum):
     BEGUN = "begun"  # a sender is writing
 
 
-# on_end(handle, code, message, nbytes): a receive ended (called once per receive).
-OnEnd = Callable[[Any, ErrorCode, str, int], None]
+# on_end(handle, code, message, nbytes[, hold]): a receive ended (called once per receive);
+# hold: its window could not be fenced, keep its blocks held.
+OnEnd = Callable[..., None]
 
 
 @dataclass(eq=False)
@@ -48,7 +61,9 @@ class _Pending:
     ticket: bytes
     expires_at: float  # monotonic
     nbytes: int
+    ids: Any  # its host blocks (np.ndarray)
     state: RecvState = RecvState.WAITING
+    window: Window | None = None
     begun_deadline: float = 0.0
     parked: list[bytes] = field(default_factory=list)  # begin idents waiting for ARMED
 
@@ -69,6 +84,8 @@ class PeerReceiver:
         # [(ident, ticket, deadline)], answered once it is admitted or at the deadline
         self._early: dict[bytes, list[tuple[bytes, Any, float]]] = {}
         self._refused: list[bytes] = []  # parked begins whose receive ended before ARMED
+        self.windows: PeerWindows | None = None  # set while a pool is attached
+        self._fenced: dict[bytes, Window] = {}  # failed receives whose sender may still write
         self._router = ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, 16 << 20)
@@ -86,7 +103,8 @@ class PeerReceiver:
         self._thread.start()
 
     # ------------------------------------------------------------------ any thread
-    def expect(self, nonce: bytes, ticket: bytes, expires_ns: int, nbytes: int) -> None:
+    def expect(self, nonce: bytes, ticket: bytes, expires_ns: int, nbytes: int,
+               ids: Any) -> None:
         """Record an admitted receive (I/O thread); it may not be written before
         :meth:`arm`.  A ticket is armed once: its nonce is remembered until it expires."""
         expires_at = time.monotonic() + (expires_ns - time.time_ns()) / 1e9
@@ -94,7 +112,7 @@ class PeerReceiver:
             if nonce in self._pending or nonce in self._used:
                 raise TicketRefused(f"rank {self.rank} has armed this ticket already (a ticket "
                                     f"is used once): ask receive_into for a new one")
-            self._pending[nonce] = _Pending(None, ticket, expires_at, nbytes)
+            self._pending[nonce] = _Pending(None, ticket, expires_at, nbytes, ids)
             self._used[nonce] = expires_at
         self._wake()  # a begin that overtook this receive may be waiting for it
 
@@ -134,7 +152,10 @@ class PeerReceiver:
             ended, self._pending = list(self._pending.values()), {}
             self._closing = True
         for p in ended:
-            if p.state is not RecvState.WAITING:
+            if p.state is RecvState.BEGUN:
+                self._end_begun(None, p, ErrorCode.SHUTTING_DOWN,
+                                f"rank {self.rank} is shutting down")
+            elif p.state is RecvState.ARMED:
                 self._on_end(p.handle, ErrorCode.SHUTTING_DOWN,
                              f"rank {self.rank} is shutting down", 0)
         self._wake()
@@ -179,8 +200,64 @@ class PeerReceiver:
                     self._on_message(ident, raw)
             self._sweep()
 
-    def _answer(self, ident: bytes, code: ErrorCode = ErrorCode.OK, message: str = "") -> None:
-        self._router.send_multipart([ident, packb({"code": int(code), "message": message})])
+    def _answer(self, ident: bytes, code: ErrorCode = ErrorCode.OK, message: str = "",
+                **fields: Any) -> None:
+        self._router.send_multipart([ident, packb({"code": int(code), "message": message,
+                                                   **fields})])
+
+    def _end_begun(self, nonce: bytes | None, p: _Pending, code: ErrorCode, message: str) -> None:
+        """End a begun receive other than by ``done``: fence its window, then release its
+        blocks (kept held if the fence failed).  With ``nonce``, remember it for the
+        sender's late ``done`` or ``abort``."""
+        hold = False
+        if p.window is not None:
+            try:
+                p.window.fence()
+            except OSError as exc:
+                hold = True
+                message += (f"; its write window could not be fenced ({exc}), so its blocks "
+                            f"stay held until this daemon restarts")
+                log.error("rank %d: %s", self.rank, message)
+            if nonce is not None and not hold:
+                self._fenced[nonce] = p.window
+        self._on_end(p.handle, code, message, 0, hold)
+
+    def _late(self, ident: bytes, kind: str, nonce: bytes) -> None:
+        """``done`` or ``abort`` of a receive that had failed: its sender's write is over
+        (``done``: every request was applied, to scratch), tell it so."""
+        w = self._fenced.pop(nonce)
+        if kind == "abort":
+            self._answer(ident)
+            return
+        w.drop()
+        self._answer(ident, ErrorCode.TRANSFER_FAILED,
+                     f"rank {self.rank}'s receive had already failed (the sender was silent "
+                     f"for {self._timeout_s:.1f}s, --peer-timeout): its write was fenced off, "
+                     f"no byte of it reached the receiver's blocks")
+
+    def _open(self, ident: bytes, nonce: bytes, p: _Pending) -> None:
+        """A receive just began: give it a window, answer ``begin`` with its bases."""
+        windows = self.windows
+        try:
+            if windows is None:
+                raise OSError("no host pool is attached")
+            p.window = windows.take(p.ids)
+        except (OSError, KvswapError) as exc:
+            with self._lock:
+                mine = self._pending.pop(nonce, None) is not None
+            message = f"rank {self.rank} has no write window for the receive: {exc}"
+            if mine:
+                self._on_end(p.handle, ErrorCode.TRANSFER_FAILED, message, 0)
+            self._answer(ident, ErrorCode.TRANSFER_FAILED, message)
+            return
+        with self._lock:
+            alive = self._pending.get(nonce) is p
+        if not alive:  # close() ended it meanwhile; nobody was told the window
+            p.window.release()
+            self._answer(ident, ErrorCode.SHUTTING_DOWN, f"rank {self.rank} is shutting down")
+            return
+        crashpoints.hit("peer.begun")
+        self._answer(ident, bases=p.window.bases)
 
     def _on_message(self, ident: bytes, raw: bytes) -> None:
         try:
@@ -193,11 +270,20 @@ class PeerReceiver:
             self._answer(ident, ErrorCode.TICKET_MISMATCH,
                          f"rank {rank}'s push reached rank {self.rank} (rank r sends to rank r)")
             return
+        if kind == "begin" and not fences(m.get("v")):
+            self._answer(ident, ErrorCode.VERSION_MISMATCH,
+                         f"rank {self.rank} gives each receive a write window it can fence "
+                         f"(protocol {FENCED_SINCE[0]}.{FENCED_SINCE[1]}); this sender is "
+                         f"older and would write the pool itself: upgrade kvswap there")
+            return
         with self._lock:
             p = self._pending.get(nonce)
             used = nonce in self._used
         if p is None and kind == "begin" and not used:
             self._park_early(ident, nonce, m.get("ticket"))
+            return
+        if p is None and kind in ("done", "abort") and nonce in self._fenced:
+            self._late(ident, kind, nonce)
             return
         if p is None:
             self._answer(ident, ErrorCode.TICKET_MISMATCH,
@@ -211,12 +297,21 @@ class PeerReceiver:
                 self._answer(ident, ErrorCode.TICKET_MISMATCH, f"{kind} before begin")
                 return
             with self._lock:
-                self._pending.pop(nonce, None)
-            if kind == "done":
+                if self._pending.pop(nonce, None) is None:  # close() ended it meanwhile
+                    self._answer(ident, ErrorCode.SHUTTING_DOWN,
+                                 f"rank {self.rank} is shutting down")
+                    return
+            if kind == "abort":
+                self._end_begun(None, p, ErrorCode.TRANSFER_FAILED,
+                                f"the sender aborted: {m.get('message', '')}")
+            elif p.window is None or p.window.release():
                 self._on_end(p.handle, ErrorCode.OK, "", p.nbytes)
-            else:
-                self._on_end(p.handle, ErrorCode.TRANSFER_FAILED,
-                             f"the sender aborted: {m.get('message', '')}", 0)
+            else:  # fenced by a detach while the sender wrote
+                message = (f"rank {self.rank}'s host pool was released (clear) while the "
+                           f"sender wrote: the write was fenced off")
+                self._on_end(p.handle, ErrorCode.TRANSFER_FAILED, message, 0)
+                self._answer(ident, ErrorCode.TRANSFER_FAILED, message)
+                return
             self._answer(ident)
         else:
             self._answer(ident, ErrorCode.PROTOCOL_ERROR, f"unknown peer message {kind!r}")
@@ -237,6 +332,8 @@ class PeerReceiver:
                 refusal = "another sender is already writing this ticket's blocks"
             elif p.state is RecvState.WAITING:
                 p.parked.append(ident)
+                log.info("rank %d: a begin waits for its receive (earlier tasks on its blocks "
+                         "still run)", self.rank)
                 return
             else:
                 refusal = ""
@@ -245,8 +342,7 @@ class PeerReceiver:
         if refusal:
             self._answer(ident, ErrorCode.TICKET_MISMATCH, refusal)
             return
-        crashpoints.hit("peer.begun")
-        self._answer(ident)
+        self._open(ident, nonce, p)
 
     def _park_early(self, ident: bytes, nonce: bytes, ticket: Any) -> None:
         if sum(len(v) for v in self._early.values()) >= MAX_EARLY:
@@ -284,6 +380,8 @@ class PeerReceiver:
         for ident in refused:
             self._answer(ident, ErrorCode.TICKET_MISMATCH, "the receive was cancelled")
         ended: list[tuple[_Pending, ErrorCode, str]] = []
+        failed: list[tuple[bytes, _Pending]] = []
+        begun: list[tuple[bytes, bytes, _Pending]] = []
         replies: list[tuple[bytes, ErrorCode, str]] = []
         with self._lock:
             for nonce in [n for n, exp in self._used.items() if exp <= now]:
@@ -294,22 +392,26 @@ class PeerReceiver:
                     p.parked = []
                     p.state = RecvState.BEGUN
                     p.begun_deadline = now + self._timeout_s
-                    replies.append((first, ErrorCode.OK, ""))
+                    begun.append((first, nonce, p))
                     replies += [(i, ErrorCode.TICKET_MISMATCH, "another sender is already "
                                  "writing this ticket's blocks") for i in rest]
                 elif p.state is RecvState.BEGUN and now >= p.begun_deadline:
                     del self._pending[nonce]
-                    ended.append((p, ErrorCode.TRANSFER_FAILED,
-                                  f"the sender began writing but was silent for "
-                                  f"{self._timeout_s:.1f}s (--peer-timeout); the blocks hold "
-                                  f"unknown content"))
+                    failed.append((nonce, p))
                 elif p.state is RecvState.ARMED and now >= p.expires_at:
                     del self._pending[nonce]
                     ended.append((p, ErrorCode.TICKET_EXPIRED,
                                   "the ticket expired before a sender began"))
         for p, code, message in ended:
             self._on_end(p.handle, code, message, 0)
+        for nonce, p in failed:
+            self._end_begun(nonce, p, ErrorCode.TRANSFER_FAILED,
+                            f"the sender began writing but was silent for "
+                            f"{self._timeout_s:.1f}s (--peer-timeout); the blocks hold unknown "
+                            f"content, and no later byte of that sender can reach them (its "
+                            f"write window is fenced)")
+        for ident, nonce, p in begun:
+            self._open(ident, nonce, p)
         for ident, code, message in replies:
-            if code == ErrorCode.OK:
-                crashpoints.hit("peer.begun")
             self._answer(ident, code, message)
+

@@ -8,7 +8,12 @@ host (send_to / receive_into), host -> device (load) on ``dec``.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import select
+import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -293,3 +298,183 @@ def test_a_daemon_killed_mid_transfer_fails_both_sides(namespaces, monkeypatch, 
     finally:
         a.close()
         b.close()
+
+
+def _wait_log(launcher, rank: int, words: str) -> None:
+    path = launcher.names.run_dir / f"rank{rank}.log"
+    assert poll_until(lambda: True if words in path.read_text() else None,
+                      time.monotonic() + 30), f"rank {rank} never logged {words!r}"
+
+
+def test_a_stalled_senders_late_write_never_reaches_reused_blocks(namespaces):
+    """The sender is stopped (SIGSTOP) holding the receiver's OK to ``begin`` and
+    not having written a byte; the receive fails after the receiver's --peer-timeout
+    and the engine evicts into its blocks (answered OK).  Resumed, the sender writes:
+    its bytes land in the scratch its fenced window became, the blocks keep the
+    evict's bytes, it is told the receive had failed, and the same blocks receive
+    correctly right afterwards."""
+    pre = _launch(namespaces, 1, peer_timeout_s=60.0)  # waits long for begin's answer
+    dec = _launch(namespaces, 1, peer_timeout_s=2.0)
+    a, b = _client(pre), _client(dec)
+    dev_a, dev_b = Device(pre, 0), Device(dec, 0)
+    sender = int(pre.seg.ranks[0, RankSlot.PID])
+    try:
+        dev_a.fill([1, 2], seed=1)
+        dev_b.fill([5, 6], seed=2)
+        a.evict([1, 2], [1, 2]).result(timeout=30)
+        _, holder = b.receive_into([10, 11])  # armed first: the next receive waits behind it
+        ticket, received = b.receive_into([10, 11])
+        sent = a.send_to(ticket, [1, 2])
+        _wait_log(dec, 0, "a begin waits for its receive")  # the sender waits for the OK
+        os.kill(sender, signal.SIGSTOP)
+        try:
+            holder.cancel().result(timeout=30)  # the receive is armed, begin answered OK
+            with pytest.raises(TransferFailed) as exc:
+                received.result(timeout=30)
+            assert exc.value.code == ErrorCode.TRANSFER_FAILED and "silent" in str(exc.value)
+            b.evict([5, 6], [10, 11]).result(timeout=30)  # the engine reuses the blocks
+        finally:
+            os.kill(sender, signal.SIGCONT)
+        with pytest.raises(TransferFailed) as exc:  # resumed: its write goes to scratch
+            sent.result(timeout=60)
+        b.load([10, 11], [7, 8]).result(timeout=30)
+        for want, got in zip(dev_b.read([5, 6]), dev_b.read([7, 8])):
+            assert np.array_equal(want, got), "a late write reached blocks the engine reused"
+        assert exc.value.code == ErrorCode.TRANSFER_FAILED, exc.value
+        assert "had already failed" in str(exc.value), exc.value
+
+        ticket, received = b.receive_into([10, 11])  # the blocks receive as before
+        a.send_to(ticket, [1, 2]).result(timeout=30)
+        received.result(timeout=30)
+        b.load([10, 11], [12, 13]).result(timeout=30)
+        for want, got in zip(dev_a.read([1, 2]), dev_b.read([12, 13])):
+            assert np.array_equal(want, got)
+    finally:
+        dev_a.close()
+        dev_b.close()
+        a.close()
+        b.close()
+
+
+_SENDER = """
+import sys
+import numpy as np
+from mooncake.engine import TransferEngine
+te = TransferEngine()
+assert te.initialize("127.0.0.1:0", "P2PHANDSHAKE", "tcp", "") == 0
+n = int(sys.argv[1])
+src = np.full(n, 0x5A, np.uint8)
+assert te.register_memory(src.ctypes.data, n) == 0
+print("ready", flush=True)
+for line in sys.stdin:
+    target, dst = line.split()
+    print(te.batch_transfer_sync_write(target, [src.ctypes.data], [int(dst)], [n]), flush=True)
+"""
+
+
+def _stopped(pid: int) -> bool | None:
+    with open(f"/proc/{pid}/stat") as f:
+        return True if f.read().rsplit(")", 1)[1].split()[0] == "T" else None
+
+
+def _line(proc, timeout: float = 30.0) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, "the sending process did not answer"
+    return proc.stdout.readline().strip()
+
+
+def test_a_fence_stops_a_write_already_in_flight():
+    """The Transfer Engine checks a request's destination once, when it starts:
+    unregistering alone does not stop a stalled request.  A fenced window does: the
+    sender is stopped in the middle of a 128 MiB request, the window is fenced, the
+    pool reused; resumed, the rest of its bytes land in scratch, never in the pool,
+    and so does a new request through the window."""
+    from kvswap.daemon.peer import PeerEngine
+    from kvswap.daemon.peer_windows import PeerWindows
+
+    n, mib = 128 << 20, 1 << 20
+    region = ShmRegion.create(f"kvs-test-window-{os.getpid()}", n)
+    pool = region.array(0, (n,), np.uint8)
+    addr = int(pool.ctypes.data)
+    engine = PeerEngine("127.0.0.1", "tcp")
+    engine.register(addr, n)
+    windows = PeerWindows(engine, region.name, region.inode, addr, n, (addr,), (mib,),
+                          accept_late=True)
+    sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(n)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert _line(sender) == "ready"
+        for _ in range(3):  # the stop must catch the write in flight
+            pool[:] = 0
+            w = windows.take(np.arange(n // mib))
+            sender.stdin.write(f"{engine.endpoint} {w.bases[0]}\n")
+            sender.stdin.flush()
+            assert poll_until(lambda: True if pool[:4096].all() else None,
+                              time.monotonic() + 30), "the write never began"
+            os.kill(sender.pid, signal.SIGSTOP)
+            assert poll_until(lambda: _stopped(sender.pid), time.monotonic() + 10)
+            in_flight = np.count_nonzero(pool) < n
+            w.fence()
+            landed = np.count_nonzero(pool)
+            pool[:] = 0x11  # the blocks are reused
+            os.kill(sender.pid, signal.SIGCONT)
+            assert _line(sender) == "0"  # accepted before the fence: it completes, to scratch
+            if in_flight:
+                break
+            w.drop()
+        else:
+            pytest.skip("the sender finished its write before it could be stopped, 3 times")
+        assert (pool == 0x11).all(), "bytes of a fenced write reached the pool"
+        tail = ctypes.string_at(w.kept[0][0] + n - 4096, 4096)
+        assert tail == b"\x5a" * 4096 and landed < n, "the rest did not land in scratch"
+        sender.stdin.write(f"{engine.endpoint} {w.bases[0]}\n")
+        sender.stdin.flush()
+        assert _line(sender) == "0"  # accepted, into scratch
+        assert (pool == 0x11).all(), "a request through a fenced window reached the pool"
+        w.drop()
+    finally:
+        if sender.poll() is None:
+            os.kill(sender.pid, signal.SIGCONT)
+            sender.kill()
+        sender.wait(10)
+        windows.close()
+        engine.unregister_all()
+        pool = None  # the mapping closes with its last array
+        region.close()
+        region.unlink()
+
+
+def test_a_sender_that_would_write_the_pool_itself_is_refused(namespaces, monkeypatch):
+    """A begin without a version (a sender before protocol 1.9 writes the pool, past
+    any fence) is refused and the receive stays armed; unacknowledged TCP writes
+    (MC_TCP_PROTO=1: done would not prove the bytes landed) refuse to start."""
+    import msgpack
+    import zmq
+
+    from kvswap.client.protocol import packb
+    from kvswap.daemon.peer import PeerEngine, PeerUnavailable
+
+    dec = _launch(namespaces, 1)
+    b = _client(dec)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        raw, received = b.receive_into([3])
+        ticket = Ticket.from_bytes(raw)
+        sock.connect(ticket.ranks[0].notify)
+        sock.send(packb({"k": "begin", "nonce": ticket.nonce, "rank": 0, "ticket": raw}))
+        assert sock.poll(10_000), "no answer to begin"
+        reply = msgpack.unpackb(sock.recv(), raw=False)
+        assert reply["code"] == ErrorCode.VERSION_MISMATCH and "1.9" in reply["message"]
+        received.cancel().result(timeout=30)  # nothing began
+        with pytest.raises(TransferFailed) as exc:
+            received.result(timeout=30)
+        assert exc.value.code == ErrorCode.CANCELLED
+    finally:
+        sock.close()
+        ctx.term()
+        b.close()
+    monkeypatch.setenv("MC_TCP_PROTO", "1")
+    with pytest.raises(PeerUnavailable, match="MC_TCP_PROTO"):
+        PeerEngine("127.0.0.1", "tcp")

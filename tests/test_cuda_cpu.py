@@ -893,7 +893,7 @@ def test_cuda_worker_describes_tensors_through_the_exporter(namespaces, monkeypa
     worker = CacheWorker(launcher.names.namespace, 0, run_root=launcher.cfg.run_root,
                          backend="cuda")
     try:
-        desc = worker._describe(CacheTensor("v3", 3, FakeCAI(base + 2048, (16, 4, 8), "<f2")))
+        desc = worker._describe(0, CacheTensor("v3", 3, FakeCAI(base + 2048, (16, 4, 8), "<f2")))
         assert (desc.name, desc.layer, desc.dtype, desc.shape) == ("v3", 3, "<f2", (16, 4, 8))
         loc = CudaLocation.from_wire(desc.location, "v3")
         assert loc.offset == 2048 and loc.base == base and loc.uuid == UUID0.hex()

@@ -28,7 +28,7 @@ reader carries on.  The deadline of every future still holds whatever happens.
 
 Re-sends after a rank restart (docs/protocol.md section 10): every message
 carries the client's id ``cid`` and its sequence number ``cs`` (assigned when
-it is first sent); when a restarted rank is READY again, whatever it owes is
+it is first sent); when a restarted rank serves again, whatever it owes is
 sent to it again in ``cs`` order, marked ``re``, so its daemon can answer from
 its completion journal instead of running a task twice.
 """
@@ -386,7 +386,7 @@ class _Dispatcher:
       until the ring owes none, and a full ring keeps the message in the backlog
       until the daemon rings back.
     * A rank whose epoch changes is *frozen*: its backlog is not sent.  When it
-      is READY again, every envelope its old daemon was sent and still owes an
+      serves again (SERVING), every envelope its old daemon was sent and still owes an
       answer for is put in front of its backlog, in ``cs`` order, to go marked
       ``re`` (the old daemon may have run it: the new one answers it from the
       completion journal); what had never reached the rank follows unmarked.
@@ -415,7 +415,7 @@ class _Dispatcher:
         self._signed = signed
         self._cs = itertools.count(1)
         self._epochs = [rank_epoch(r) for r in range(tp_size)]  # as we last addressed them
-        self._frozen: set[int] = set()  # restarted ranks not READY again
+        self._frozen: set[int] = set()  # restarted ranks not serving again (SERVING)
         self._owing = [0] * tp_size  # replies each rank owes on what it was sent
         self._ring_owing = [0] * tp_size  # ... of them, on what went over its ring
         self._backlog: list[collections.deque[tuple[_Envelope, bool]]] = [
@@ -1127,8 +1127,11 @@ class TransferClient:
             free = True
         fut = self._new_future(Op.CLEAR)
         if version is not None:
-            def switch() -> None:
-                self._model_version = version
+            before = self._model_version
+
+            def switch() -> None:  # unless set_model_version() changed it meanwhile
+                if self._model_version == before:
+                    self._model_version = version
             fut._on_success = switch
         self._submit([_Envelope(fut, Message(request_header(
             Op.CLEAR, fut.task_id, {"free_host": True} if free else None), []))])

@@ -74,8 +74,10 @@ class Transport:
         self._retry_at = [0.0] * len(endpoints)
         self._why: list[str] = [""] * len(endpoints)  # why a rank has no ring (logged once)
         self._look = False  # see take_look
-        # Replies dropped for failing the signature check (tcp://), and the last reason;
-        # read by the client for a deadline's error (reader thread, under its lock).
+        # Replies dropped for failing the signature check (tcp://) since the last one
+        # that passed it, and the last reason; read by the client for a deadline's error
+        # (reader thread, under its lock).  A stray packet is forgotten at the next good
+        # reply, so it cannot be blamed for a later, unrelated deadline.
         self.bad_signatures = 0
         self.bad_signature_why = ""
 
@@ -191,6 +193,7 @@ class Transport:
             if signed:
                 assert self._secret is not None
                 frames = verify(self._secret, frames)[1]
+                self.bad_signatures = 0
             out.append(decode_reply(frames[0]))
         except AuthFailed as exc:
             self.bad_signatures += 1

@@ -21,7 +21,7 @@ from kvswap.client.protocol import Op, validate_transfer
 from kvswap.daemon import crashpoints
 from kvswap.daemon.io_loop import IoLoop
 from kvswap.daemon.jobs import Completion, Job, Origin
-from kvswap.daemon.journal import JOURNALED_OPS, UNREPLAYABLE_OPS, Journal
+from kvswap.daemon.journal import JOURNALED_OPS, UNREPLAYABLE_OPS, Journal, Outcome
 from kvswap.daemon.rank import RankContext
 from kvswap.daemon.scheduler import Task
 
@@ -47,11 +47,25 @@ class ExactlyOnce:
         answers.  Returns the sender's origin, or None when the re-send was answered
         from the journal and there is nothing left to admit."""
         self._rank.check_epoch(header)
-        self._rank.check_serving()
         origin = Origin.of(header)
-        if job.op in JOURNALED_OPS and origin.resent and self.answer_resent(job, origin):
+        resent = job.op in JOURNALED_OPS and origin.resent
+        if resent and self.answer_recorded(job):
+            return None
+        self._rank.check_serving()
+        if resent and self.answer_resent(job, origin):
             return None
         return origin
+
+    def answer_recorded(self, job: Job) -> bool:
+        """A re-sent task whose outcome an earlier incarnation recorded: answer it from
+        the record and return True (I/O thread), whatever mode the rank is in now.  A
+        rank restarted into a paused namespace comes back PAUSED with the held re-sends
+        still to answer: refusing one PAUSED would say it never ran, and it did."""
+        found = self._journal.lookup(job.req_id)
+        if found is None or found[1] is None:
+            return False
+        self._reply_recorded(job, found[1])
+        return True
 
     def admit(self, job: Job, origin: Origin, device_ids: np.ndarray, host_ids: np.ndarray, *,
               layerwise: bool = False, keys: np.ndarray | None = None) -> None:
@@ -90,10 +104,13 @@ class ExactlyOnce:
         if outcome is None:
             raise InvalidTask(f"task {job.req_id} was re-sent while it is still running on rank "
                               f"{index}; it is answered once", ErrorCode.INVALID_TASK)
+        self._reply_recorded(job, outcome)
+        return True
+
+    def _reply_recorded(self, job: Job, outcome: Outcome) -> None:
         fields = outcome.fields if outcome.code == ErrorCode.OK else {}
         self._io.reply(job.route, job.req_id, outcome.code, outcome.message,
                        fields={**fields, "journal": True})
-        return True
 
     def replay_in_doubt(self, num_device_blocks: int, num_host_blocks: int,
                         execute: Execute) -> None:

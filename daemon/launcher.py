@@ -210,10 +210,11 @@ def sweep_namespace(names: Names) -> list[str]:
 # for READY alone left it unsupervised, then tore it down at --ready-timeout).
 SERVED = frozenset({RankState.READY, RankState.PAUSED, RankState.CLEARING, RankState.CLEARED})
 
-# Run dirs of the namespaces a Launcher of this process runs, from start() to stop():
+# Prefixes of the namespaces a Launcher of this process runs, from start() to stop()
+# (the shm names depend on the namespace alone, whatever the run root):
 # the launcher pid in a namespace's segment cannot tell two Launchers of one process
 # apart, nor this process's live one from the leftover of one that never stopped.
-_running: set[Path] = set()
+_running: set[str] = set()
 
 
 class Launcher:
@@ -247,7 +248,7 @@ class Launcher:
                 left = daemons_left(self.names, other)
             finally:
                 other.close()
-            if pid == os.getpid() and self.names.run_dir in _running:
+            if pid == os.getpid() and self.names.prefix in _running:
                 raise NamespaceError(
                     f"namespace {self.names.namespace!r} is in use by another Launcher of this "
                     f"process; stop() it first or choose another namespace")
@@ -297,7 +298,7 @@ class Launcher:
         self._preflight()
         self._refuse_if_in_use()
         self.seg = SignalSegment.create(self.names, self.cfg.tp)
-        _running.add(self.names.run_dir)
+        _running.add(self.names.prefix)
         try:
             create_semaphores(self.names, self.cfg.tp)
             self._make_dir(self.names.run_dir, "--run-root", exist_ok=False)
@@ -503,7 +504,7 @@ class Launcher:
         self.seg.close()
         self.seg.unlink()
         self.seg = None
-        _running.discard(self.names.run_dir)
+        _running.discard(self.names.prefix)
         unlink_semaphores(self.names, self.cfg.tp)
         removed = sweep_namespace(self.names)
         if removed:

@@ -210,7 +210,9 @@ class PeerWindows:
 
     def _fence(self, w: Window) -> None:
         with self._lock:
-            if w.fenced:
+            if w.fenced or w not in self._busy:
+                # fenced already, or handed back by a release that raced this fence (a
+                # stop): its addresses may be unmapped or lent again, never ours to map
                 return
             extents = self._extents(w)
             for a, b in extents:  # atomic per extent: in-flight writes now hit scratch

@@ -57,7 +57,7 @@ class RankContext:
         self.sig = sig
         self.epoch = int(sig[RankSlot.EPOCH])
         # The state the previous daemon of this rank last published (ABSENT on a first
-        # start): which mode a restarted daemon comes back in (Lifecycle.rejoin_mode).
+        # start): which mode a restarted daemon comes back in (startup.rejoin_mode).
         self.predecessor = predecessor
         self.sm = StateMachine(sig)  # any thread; serialised by its own lock
         self.layers = LayerProgress(seg, cfg.rank)  # transfer workers (layer-wise loads)

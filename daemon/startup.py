@@ -162,8 +162,11 @@ class Startup:
             at = int(rank.sig[RankSlot.BARRIER_ARRIVALS])
         else:
             peers = CLEARING_OR_CLEARED if mode is RankState.CLEARED else SERVING
-            at = min(int(seg.ranks[r, RankSlot.BARRIER_ARRIVALS]) for r in range(seg.tp_size)
-                     if r != rank.index and seg.state_of(r) in peers)
+            # The peers' states may have moved since the mode was chosen from them: with
+            # none left in the mode, the rank's own count stands.
+            at = min((int(seg.ranks[r, RankSlot.BARRIER_ARRIVALS]) for r in range(seg.tp_size)
+                      if r != rank.index and seg.state_of(r) in peers),
+                     default=int(rank.sig[RankSlot.BARRIER_ARRIVALS]))
         if mode is RankState.CLEARED:
             at = clear_generation(at)
         if at != int(rank.sig[RankSlot.BARRIER_ARRIVALS]):

@@ -5,7 +5,7 @@ Transitions (anything else is a bug and raises):
     STARTING  -> ATTACHING | STOPPING | FAILED
     ATTACHING -> READY | PAUSED | CLEARED | STOPPING | FAILED
                  (PAUSED, CLEARED: a restarted daemon comes back in the mode its
-                 namespace is in, Lifecycle.rejoin_mode)
+                 namespace is in, startup.rejoin_mode)
     READY     -> PAUSED | CLEARING | ATTACHING | STOPPING | FAILED
     PAUSED    -> READY | CLEARING | ATTACHING | STOPPING | FAILED
     CLEARING  -> CLEARED | FAILED | STOPPING

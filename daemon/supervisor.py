@@ -18,7 +18,7 @@ NOT_READY until a relaunch, and nothing in it recovers (FAILED only leads to
 STOPPING).  SIGKILL, not a clean stop: a clean stop unlinks the host pool and
 the completion journal, which its successor adopts instead (contents intact,
 tasks in doubt replayed), and it comes back in its namespace's mode
-(``Lifecycle.rejoin_mode``).  Only once the rank has served (reached READY or a
+(``startup.rejoin_mode``).  Only once the rank has served (reached READY or a
 later state) under this supervisor: before that, the launcher's ``wait_ready``
 fails the launch fast on a FAILED rank, with its reason.  The back-off doubles from
 ``backoff_s`` up to ``backoff_max_s``; ``max_retries`` consecutive failures

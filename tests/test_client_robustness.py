@@ -965,7 +965,7 @@ def test_a_wrong_tcp_secret_is_named_in_the_deadline_error(namespaces, tmp_path)
     launcher = namespaces.launch(tp=1, demo_caches=SMALL_LAYOUT, host_blocks=8,
                                  tcp=f"127.0.0.1:{port}", secret_file=str(secret))
     names = launcher.names
-    with TransferClient(names.namespace, 1, run_root=str(names.run_root), task_timeout=1,
+    with TransferClient(names.namespace, 1, run_root=str(names.run_root), task_timeout=3,
                         tcp=f"127.0.0.1:{port}", secret=b"B" * 32) as client:
         with pytest.raises(RankTimeout) as ei:
             client.evict([1], [1]).result()

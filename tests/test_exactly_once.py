@@ -237,3 +237,35 @@ def test_crash_point(namespaces, monkeypatch, point, tp, clients):
         assert launcher.supervisor.restarts == 1
     finally:
         work.close()
+
+
+def test_a_resent_task_with_a_recorded_outcome_is_answered_from_it_on_a_paused_rank(namespaces):
+    """A rank restarted into a paused namespace comes back PAUSED with the client's
+    held re-sends still to answer.  One its predecessor finished used to be refused
+    PAUSED, which says it never ran; it is answered from its record.  A re-send
+    nobody recorded is still refused PAUSED."""
+    from conftest import RawPeer
+    from kvswap.client.errors import ErrorCode
+    from kvswap.client.protocol import Op, transfer_message
+
+    launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=HOST)
+    peer = RawPeer(launcher.names.endpoint(0))
+    try:
+        with TransferClient(launcher.names.namespace, 1,
+                            run_root=str(launcher.names.run_root)) as client:
+            done = client.evict([1], [1])
+            assert done.result(20).replies[0].ok
+            client.pause().result(10)
+            epoch = int(launcher.seg.ranks[0, RankSlot.EPOCH])
+
+            def resend(task_id: int) -> object:
+                msg = transfer_message(Op.EVICT, task_id, np.array([1]), np.array([1]))
+                return peer.ask(msg.frames(epochs=[epoch], cid=client.cid, cs=1, re=True))
+
+            again = resend(done.task_id)
+            assert again.ok and again.fields.get("journal") is True, again
+            never = resend(done.task_id + 10_000)
+            assert never.code == ErrorCode.PAUSED, never
+            client.resume().result(10)
+    finally:
+        peer.close()

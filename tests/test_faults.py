@@ -664,7 +664,7 @@ def test_a_rank_stalled_through_a_clear_barrier_does_not_split_the_next_one(name
     arrival (rank 0 is CLEARED), and the start-up barrier after the restore is met
     by both ranks' registers."""
     launcher = namespaces.launch(tp=2, demo_caches=LAYOUT, host_blocks=HOST,
-                                 stale_after_s=1.0, attach_timeout_s=8.0)
+                                 stale_after_s=3.0, attach_timeout_s=8.0)
     seg = launcher.seg
     log0 = launcher.names.log_path(0, launcher.log_dir)
     daemon1 = launcher.procs[1]

@@ -1112,7 +1112,9 @@ class TransferClient:
         returns use it.  Nothing of the old weights is then loaded from host memory
         or from storage (a HostCache must also ``clear()``).
 
-        The version changes only if every rank cleared.  If any rank refused (e.g.
+        The version changes only if every rank cleared, and only if
+        :meth:`set_model_version` did not change it while the clear ran (that later
+        call wins).  If any rank refused (e.g.
         NOT_READY: it was not READY or PAUSED) or failed, or the future timed out,
         the client keeps its version: a rank that did not clear still holds the old
         weights' blocks, and a backup under the new version would store them as new.

@@ -952,6 +952,26 @@ def test_a_refused_clear_keeps_the_model_version(namespaces, tmp_path):
         client.close()
 
 
+def test_a_version_set_while_a_clear_runs_is_not_undone_by_it(namespaces):
+    """The clear's switch to its version comes when it completes; a set_model_version()
+    the engine made in between used to be overwritten by it."""
+    launcher = namespaces.launch(tp=1, demo_caches=SMALL_LAYOUT, host_blocks=16,
+                                 model_version="v1")
+    client = _client(launcher, task_timeout=30)
+    daemon = launcher.procs[0]
+    try:
+        daemon.send_signal(signal.SIGSTOP)  # the clear cannot complete before the set
+        try:
+            cleared = client.clear_caches(model_version="v2")
+            client.set_model_version("v3")
+        finally:
+            daemon.send_signal(signal.SIGCONT)
+        assert cleared.result().replies[0].ok
+        assert client._model_version == "v3"
+    finally:
+        client.close()
+
+
 def test_a_wrong_tcp_secret_is_named_in_the_deadline_error(namespaces, tmp_path):
     """With a secret other than the daemons', every reply fails the signature check and
     is dropped (never trusted: see Transport._decode); the deadline's error used to say only

@@ -178,6 +178,15 @@ _BY_RANGE: list[tuple[int, type[KvswapError]]] = [
 ]
 
 
+def code_name(code: int) -> str:
+    """The name of a numeric code read from a signal slot or the wire (``AUTH_FAILED``),
+    or ``unknown code`` for one this version does not know."""
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return "unknown code"
+
+
 def error_for_code(code: int, message: str) -> KvswapError:
     """Rebuild the exception class that matches a numeric code from the wire."""
     try:

@@ -60,6 +60,7 @@ from kvswap.client.errors import (
     RankRestarted,
     RankTimeout,
     TransferFailed,
+    code_name,
 )
 from kvswap.client.naming import Names, tcp_endpoints
 from kvswap.client.protocol import (
@@ -748,13 +749,6 @@ def _client_closed() -> KvswapError:
     return KvswapError("TransferClient is closed", ErrorCode.SHUTTING_DOWN)
 
 
-def _code_name(code: int) -> str:
-    try:
-        return ErrorCode(code).name
-    except ValueError:
-        return "(unknown code)"
-
-
 def _closed_error(fut: TransferFuture) -> KvswapError:
     return KvswapError(f"task {fut.task_id} ({fut.op.value}): client closed",
                        ErrorCode.SHUTTING_DOWN)
@@ -852,7 +846,7 @@ class TransferClient:
         age = self.seg.heartbeat_age_s(r)
         beat = "no heartbeat" if age is None else f"heartbeat {age:.1f}s ago"
         err = int(self.seg.ranks[r, RankSlot.LAST_ERROR])
-        extra = f", last error {err} {_code_name(err)}" if err else ""
+        extra = f", last error {err} {code_name(err)}" if err else ""
         return f"rank {r} is {state.name} ({beat}{extra}; log {self.names.log_path(r)})"
 
     def _why_silent(self) -> str:

@@ -58,7 +58,7 @@ from kvswap.daemon.config import DaemonConfig, LaunchConfig
 from kvswap.daemon.journal import Journal
 from kvswap.daemon.logs import LINE
 from kvswap.daemon.options import format_size, to_argv
-from kvswap.daemon.supervisor import Supervisor
+from kvswap.daemon.supervisor import SERVED, Supervisor
 from kvswap.daemon.swap_space import SwapLayout, fit_problem, pool_blocks
 
 log = logging.getLogger("kvswap.launcher")
@@ -204,11 +204,6 @@ def sweep_namespace(names: Names) -> list[str]:
     return removed
 
 
-
-# States a rank reaches only once every rank was READY: an engine may pause or clear
-# the namespace between two of wait_ready's polls, and that namespace is up (waiting
-# for READY alone left it unsupervised, then tore it down at --ready-timeout).
-SERVED = frozenset({RankState.READY, RankState.PAUSED, RankState.CLEARING, RankState.CLEARED})
 
 # Prefixes of the namespaces a Launcher of this process runs, from start() to stop()
 # (the shm names depend on the namespace alone, whatever the run root):
@@ -372,7 +367,9 @@ class Launcher:
                    on_progress: Callable[[list[dict]], None] | None = None,
                    stop: Callable[[], bool] | None = None,
                    on_log: Callable[[int, str], None] | None = None) -> None:
-        """Wait until every rank is READY (or already past it: :data:`SERVED`).
+        """Wait until every rank is READY, or already past it (:data:`SERVED`: an engine
+        may pause or clear the namespace between two polls right after READY, and that
+        namespace is up and must be supervised).
 
         Each turn it reads the ranks' new log lines (``on_log(rank, line)`` gets those
         logged at WARNING or above) and states (``on_progress(rows)`` gets

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from kvswap.client.errors import ErrorCode
+from kvswap.client.errors import code_name
 from kvswap.client.signals import RankSlot, RankState, SignalSegment
 from kvswap.daemon.options import Options, at_least, option, seconds, seconds_or_zero
 
@@ -155,7 +155,7 @@ class Supervisor:
                 state = self.seg.state_of(rp.rank) if own else None
                 if state is RankState.FAILED and rp.served:
                     code = int(self.seg.ranks[rp.rank, RankSlot.LAST_ERROR])
-                    why = f"is FAILED [{code} {_code_name(code)}] (see its log)"
+                    why = f"is FAILED [{code} {code_name(code)}] (see its log)"
                     self._kill(rp, why)
                     self._failed(rp, now, why)
                     continue
@@ -172,9 +172,3 @@ class Supervisor:
                 rp.proc = self.spawn(rp.rank)
                 self._to(rp, ProcState.STARTING, now)
 
-
-def _code_name(code: int) -> str:
-    try:
-        return ErrorCode(code).name
-    except ValueError:
-        return "unknown code"

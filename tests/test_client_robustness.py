@@ -259,15 +259,22 @@ _READ_AFTER_CLOSE = textwrap.dedent("""
 """)
 
 
+def _run_unmapped_check(script: str, names) -> subprocess.CompletedProcess:
+    """Run ``script`` against the namespace in a child (a read of unmapped memory kills
+    the child, not pytest) and require a clean exit."""
+    out = subprocess.run([sys.executable, "-c", script, names.namespace, str(names.run_root)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"rc {out.returncode} (-11 is SIGSEGV): {out.stdout}{out.stderr}"
+    return out
+
+
 def test_host_tensor_stays_mapped_until_its_last_array_is_dropped(namespaces):
     """Reading an alloc_host_tensor array after CacheWorker.close() used to SIGSEGV the
     process: the array kept no hold on the mapping that close() unmapped."""
     launcher = namespaces.launch(tp=1, demo_caches=None, wait=False)
     wait_for_state(launcher, RankState.ATTACHING)
     names = launcher.names
-    out = subprocess.run([sys.executable, "-c", _READ_AFTER_CLOSE, names.namespace,
-                          str(names.run_root)], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, f"rc {out.returncode} (-11 is SIGSEGV): {out.stdout}{out.stderr}"
+    out = _run_unmapped_check(_READ_AFTER_CLOSE, names)
     assert out.stdout.splitlines() == [
         f"after close {7 * 16 * 1024} 7 True",
         f"view only {7 * 2 * 1024 + 2} True",  # the view alone keeps the mapping
@@ -721,9 +728,7 @@ def test_wait_layer_under_or_after_close_raises_instead_of_crashing(namespaces):
     launcher = namespaces.launch(tp=1, demo_caches=None, wait=False)
     wait_for_state(launcher, RankState.ATTACHING)
     names = launcher.names
-    out = subprocess.run([sys.executable, "-c", _CLOSE_UNDER_A_WAITER, names.namespace,
-                          str(names.run_root)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, f"rc {out.returncode} (-11 is SIGSEGV): {out.stdout}{out.stderr}"
+    out = _run_unmapped_check(_CLOSE_UNDER_A_WAITER, names)
     assert out.stdout.splitlines() == [
         "waiter ['SHUTTING_DOWN: rank 0: waiting for layer 0 of task 777: the CacheWorker is "
         "closed'] False True",

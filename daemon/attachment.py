@@ -38,7 +38,7 @@ from kvswap.daemon.registration import Registration, layout_difference
 from kvswap.daemon.scheduler import RunBatch, Scheduler
 from kvswap.daemon.storage_entries import EntryLayout
 from kvswap.daemon.storage_service import StorageService
-from kvswap.daemon.swap_space import HostSwapSpace
+from kvswap.daemon.swap_space import HostSwapSpace, unlink_pool
 
 log = logging.getLogger("kvswap.daemon")
 
@@ -364,16 +364,21 @@ class Registrar:
         att.scheduler.stop()
         att.scheduler.join(self._rank.cfg.drain_timeout_s)
         self._backend.detach()
-        sig = self._rank.sig
-        sig[RankSlot.CACHE_READY] = 0
+        self._rank.sig[RankSlot.CACHE_READY] = 0
+        self._kept_swap = att.swap
         if free_host:
-            att.swap.close(unlink=True)
-            sig[RankSlot.SWAP_READY] = 0
-            sig[RankSlot.SWAP_BYTES_TOTAL] = 0
-            sig[RankSlot.SWAP_BYTES_PINNED] = 0
-        else:
-            self._kept_swap = att.swap
+            self.free_pool()
         self.register_file.unlink(missing_ok=True)
+
+    def free_pool(self) -> None:
+        """Release the pool a clear left: kept here, or a dead predecessor's (control)."""
+        if self._kept_swap is not None:
+            self._kept_swap.close(unlink=True)
+            self._kept_swap = None
+        else:
+            unlink_pool(self._rank.names, self._rank.index)
+        for slot in (RankSlot.SWAP_READY, RankSlot.SWAP_BYTES_TOTAL, RankSlot.SWAP_BYTES_PINNED):
+            self._rank.sig[slot] = 0
 
     def forget(self) -> None:
         """Restore: the next register attaches anew."""
@@ -396,10 +401,9 @@ class Registrar:
 
     # ---------------------------------------------------------------- start-up / restart
     def expect_join(self, mode: RankState, layout: list[TensorDesc] | None) -> None:
-        """A restarted daemon in a namespace that serves (main thread, before serving):
-        its next register settles in ``mode`` without the start-up barrier, and one
-        that is not its predecessor's re-attach must keep ``layout`` (the predecessor's;
-        None when unknown): :meth:`_admit_join`."""
+        """A restarted daemon in a serving namespace (main thread, before serving): its
+        next register settles in ``mode`` without the start-up barrier, and one not its
+        predecessor's re-attach keeps ``layout`` (None: unknown): :meth:`_admit_join`."""
         with self._lock:
             self.joining = True
             self.settle_to = mode

@@ -23,6 +23,7 @@ reply.before    outcome journaled, reply not yet sent
 reply.after     reply sent (n = 2: between the first and second reply)
 peer.begun      receiver: a sender's ``begin`` accepted, before answering it
 peer.written    sender: the bytes written to the peer, ``done`` not yet sent
+clear.drained   a clear: its rank drained, nothing released yet (n counts clears)
 ==============  =====================================================
 """
 
@@ -34,6 +35,7 @@ from pathlib import Path
 
 POINTS = ("ring.read", "copy.before", "copy.mid", "record.before", "reply.before", "reply.after")
 PEER_POINTS = ("peer.begun", "peer.written")  # passed by peer transfers only (tests/test_peer.py)
+CLEAR_POINTS = ("clear.drained",)  # passed by clears only (tests/test_faults.py)
 
 _armed: tuple[str, int, Path] | None = None
 _hits = 0
@@ -47,9 +49,9 @@ def configure(run_dir: Path) -> None:
     if not spec:
         return
     point, _, count = spec.partition(":")
-    if point not in POINTS + PEER_POINTS or not count.isdigit() or int(count) < 1:
+    if point not in POINTS + PEER_POINTS + CLEAR_POINTS or not count.isdigit() or int(count) < 1:
         raise ValueError(f"KVSWAP_CRASH_AT must be POINT:N with POINT one of "
-                         f"{', '.join(POINTS + PEER_POINTS)} and N >= 1, got {spec!r}")
+                         f"{', '.join(POINTS + PEER_POINTS + CLEAR_POINTS)} and N >= 1, got {spec!r}")
     marker = run_dir / f"crashed-at-{point}"
     if not marker.exists():
         _armed = (point, int(count), marker)

@@ -27,10 +27,11 @@ from kvswap.client.signals import (
     RankState,
     poll_until,
 )
+from kvswap.daemon import crashpoints
 from kvswap.daemon.attachment import AttachmentSlot, Registrar
 from kvswap.daemon.exactly_once import ExactlyOnce
 from kvswap.daemon.io_loop import IoLoop
-from kvswap.daemon.jobs import Completion, Handler, Job
+from kvswap.daemon.jobs import Completion, Handler, Job, Origin
 from kvswap.daemon.peer_ops import PeerOps
 from kvswap.daemon.rank import RankContext
 from kvswap.daemon.startup import Startup, clear_generation, startup_generation
@@ -156,17 +157,34 @@ class Lifecycle:
         """Drain, release the device mappings (and the pool if asked), barrier: every
         rank reports CLEARED before any answers.  A rank that gives up the barrier
         (a stalled or dead peer) stays arrived: it is CLEARED, which is what its
-        arrival says, so a peer that clears later passes on it."""
+        arrival says, so a peer that clears later passes on it.
+
+        A rank already CLEARED runs a clear re-sent after its restart
+        (:meth:`admit_clear`): its predecessor died during that clear, or before it,
+        in a namespace that was clearing.  It has nothing to drain or detach; it
+        frees the pool its predecessor left if the clear asks, and waits in the same
+        barrier, which it arrived at when it came back (without arriving twice), so
+        the clear is answered as it would have been: once every rank is CLEARED."""
         rank, cfg = self._rank, self._rank.cfg
-        drained = poll_until(lambda: True if rank.sig[RankSlot.INFLIGHT] == 0 else None,
-                             time.monotonic() + cfg.drain_timeout_s)
-        if drained is None:
-            rank.sm.fail(ErrorCode.RANK_TIMEOUT, "clear: tasks did not drain")
-            raise KvswapError(f"rank {rank.index}: {rank.sig[RankSlot.INFLIGHT]} task(s) still "
-                              f"running after {cfg.drain_timeout_s:.0f}s",
-                              ErrorCode.RANK_TIMEOUT)
-        self._registrar.detach(free_host=bool(job.header.get("free_host")))
-        rank.sm.to(RankState.CLEARED)
+        free_host = bool(job.header.get("free_host"))
+        state = rank.sm.state
+        if state is RankState.CLEARED:
+            if free_host:
+                self._registrar.free_pool()
+        elif state is not RankState.CLEARING:
+            raise NotReady(f"rank {rank.index} is {state.name}: it left CLEARING before its "
+                           f"clear ran (a failure, a stop, or a restore after a re-sent clear)")
+        else:
+            drained = poll_until(lambda: True if rank.sig[RankSlot.INFLIGHT] == 0 else None,
+                                 time.monotonic() + cfg.drain_timeout_s)
+            if drained is None:
+                rank.sm.fail(ErrorCode.RANK_TIMEOUT, "clear: tasks did not drain")
+                raise KvswapError(f"rank {rank.index}: {rank.sig[RankSlot.INFLIGHT]} task(s) "
+                                  f"still running after {cfg.drain_timeout_s:.0f}s",
+                                  ErrorCode.RANK_TIMEOUT)
+            crashpoints.hit("clear.drained")
+            self._registrar.detach(free_host=free_host)
+            rank.sm.to(RankState.CLEARED)
         barrier = Barrier(rank.seg, rank.index, stale_after_s=cfg.stale_after_s)
         try:
             barrier.wait(cfg.attach_timeout_s, what="clear barrier",
@@ -180,7 +198,14 @@ class Lifecycle:
 
     # ---------------------------------------------------------------- I/O thread
     def admit_clear(self, job: Job, req: Request | None) -> None:
+        """READY or PAUSED -> CLEARING, then the control thread runs the clear.  A clear
+        re-sent after a restart to a rank that came back CLEARED is run too (as the
+        clear it is: :meth:`run_clear`); refusing it would fail a clear that every rank
+        carried out."""
         rank = self._rank
+        if rank.sm.state is RankState.CLEARED and Origin.of(job.header).resent:
+            self._control.put(job)
+            return
         if not rank.sm.to(RankState.CLEARING,
                           only_from=frozenset({RankState.READY, RankState.PAUSED})):
             raise NotReady(f"rank {rank.index} is {rank.sm.state.name}; clear needs READY or "
@@ -190,8 +215,13 @@ class Lifecycle:
         self._control.put(job)
 
     def restore(self, job: Job, req: Request | None) -> dict:
-        """CLEARED -> ATTACHING: the worker registers its (new) tensors next."""
+        """CLEARED -> ATTACHING: the worker registers its (new) tensors next.  A
+        restore re-sent after a restart to a rank already ATTACHING (its predecessor
+        restored, or the namespace was attaching after a restore when it came back)
+        is done: the rank is where it would take it."""
         sm = self._rank.sm
+        if sm.state is RankState.ATTACHING and Origin.of(job.header).resent:
+            return {}
         if not sm.to(RankState.ATTACHING, only_from=frozenset({RankState.CLEARED})):
             raise NotReady(f"rank {self._rank.index} is {sm.state.name}, not CLEARED")
         self._registrar.forget()

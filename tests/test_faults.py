@@ -613,6 +613,71 @@ def test_a_rank_restarted_while_cleared_comes_back_cleared(namespaces, caches):
             w.close()
 
 
+def test_a_clear_whose_rank_died_in_it_is_answered_once_every_rank_cleared(namespaces,
+                                                                          monkeypatch):
+    """clear_caches(free_host=True), and one rank is SIGKILLed inside it (crash point
+    ``clear.drained``: drained, nothing released).  Its successor comes back CLEARED and
+    the client re-sends the clear, which used to be refused NOT_READY ("clear needs
+    READY or PAUSED"): a clear every rank carried out failed, and clearing again was
+    refused the same way.  It is answered OK on every rank, and the pool the dead rank
+    left in shm is freed as asked.  A clear that is not a re-send is still refused by a
+    CLEARED rank, and the namespace restores and serves."""
+    from conftest import RawPeer
+    from kvswap.client.errors import ErrorCode
+    from kvswap.client.protocol import Op, encode_request
+
+    monkeypatch.setenv("KVSWAP_CRASH_AT", "clear.drained:1")
+    launcher = namespaces.launch(tp=2, demo_caches=LAYOUT, host_blocks=HOST,
+                                 supervision=SupervisorConfig(backoff_s=0.05))
+    monkeypatch.delenv("KVSWAP_CRASH_AT")
+    seg, names = launcher.seg, launcher.names
+    pools = [f"/dev/shm/{names.swap_segment(r).lstrip('/')}" for r in range(2)]
+    assert all(os.path.exists(p) for p in pools)
+    with Supervising(launcher) as sup:
+        with _client(launcher) as client:
+            done = client.clear_caches(free_host=True).result(60)
+            assert [done.replies[r].code for r in range(2)] == [ErrorCode.OK] * 2, done.replies
+            assert client.retried == 1
+        dead = [r for r in range(2) if int(seg.ranks[r, RankSlot.EPOCH]) == 2]
+        assert len(dead) == 1 and (names.run_dir / "crashed-at-clear.drained").exists()
+        assert [seg.state_of(r) for r in range(2)] == [RankState.CLEARED] * 2
+        assert int(seg.header[HeaderSlot.KVCACHE_STATUS]) == KvCacheStatus.CLEARED
+        assert not any(os.path.exists(p) for p in pools), "a pool survived free_host=True"
+        peer = RawPeer(names.endpoint(dead[0]))
+        try:
+            again = peer.ask(encode_request(Op.CLEAR, 1, {"free_host": True}))
+            assert again.code == ErrorCode.NOT_READY and "clear needs READY" in again.message
+        finally:
+            peer.close()
+        with _bare_client(launcher) as client:
+            client.restore_caches().result(10)
+            client.wait_ready(20)
+            client.evict([1], [1]).result(20)
+        assert sup.reasons == []
+    assert launcher.supervisor.restarts == 1
+
+
+def test_a_restore_resent_to_an_attaching_rank_is_done(namespaces):
+    """A restore re-sent after a restart to a rank already ATTACHING (its predecessor
+    restored, or it came back into a namespace attaching after a restore) is answered
+    OK: the rank is where the restore takes it.  One that is not a re-send is refused
+    NOT_READY, as before, and neither changes the rank's state."""
+    from conftest import RawPeer
+    from kvswap.client.errors import ErrorCode
+    from kvswap.client.protocol import Op, encode_request
+
+    launcher = namespaces.launch(tp=1, demo_caches=None, wait=False, host_blocks=16)
+    wait_for_state(launcher, RankState.ATTACHING)
+    peer = RawPeer(launcher.names.endpoint(0))
+    try:
+        assert peer.ask(encode_request(Op.RESTORE, 1, {"re": True})).ok
+        fresh = peer.ask(encode_request(Op.RESTORE, 2))
+        assert fresh.code == ErrorCode.NOT_READY and "not CLEARED" in fresh.message, fresh
+    finally:
+        peer.close()
+    assert launcher.seg.state_of(0) == RankState.ATTACHING
+
+
 def test_a_failed_rank_is_killed_and_restarted(namespaces, caplog):
     """A rank that goes FAILED while its process lives used to stay FAILED until a
     relaunch: the supervisor restarted only dead or silent daemons.  Here rank 1 alone

@@ -59,7 +59,7 @@ from kvswap.client.shm_region import ShmRegion
 from kvswap.client.ticket import RankEndpoint, Ticket
 from kvswap.daemon import crashpoints
 from kvswap.daemon.peer_receiver import OnEnd, PeerReceiver, packb
-from kvswap.daemon.peer_windows import PeerWindows
+from kvswap.daemon.peer_windows import FenceLedger, OnUnsafe, PeerWindows
 
 log = logging.getLogger("kvswap.daemon.peer")
 
@@ -273,9 +273,11 @@ class PeerRuntime:
     """Everything ``--peer-transfer`` adds to one rank daemon."""
 
     def __init__(self, rank: int, host: str, protocol: str, timeout_s: float, secret: bytes,
-                 on_end: OnEnd):
+                 on_end: OnEnd, on_unsafe: OnUnsafe):
         self.engine = PeerEngine(host, protocol)
         self._protocol = protocol
+        self._fences = FenceLedger()  # outlives each pool's windows: the scratch does
+        self._on_unsafe = on_unsafe
         self._ctx = zmq.Context(1)
         self.receiver = PeerReceiver(self._ctx, host, rank, secret, timeout_s, on_end)
         self.sender = PeerSender(self._ctx, self.engine, timeout_s)
@@ -294,7 +296,8 @@ class PeerRuntime:
                         int(blocks[0].shape[0]))
         self.receiver.windows = PeerWindows(self.engine, region.name, region.inode, region_addr,
                                             region.size, pool.bases, pool.block_bytes,
-                                            accept_late=self._protocol == "tcp")
+                                            accept_late=self._protocol == "tcp",
+                                            ledger=self._fences, on_unsafe=self._on_unsafe)
         self.pool = pool
 
     def detach(self) -> None:

@@ -70,7 +70,8 @@ class PeerOps:
         self._lock = threading.Lock()  # _work: I/O thread, peer workers, receiver thread
         self._work: dict[Task, _Recv | _Send] = {}
         self._runtime = (PeerRuntime(rank.index, cfg.peer_address, cfg.peer_transfer,
-                                     cfg.peer_timeout_s, self._secret, self._on_end)
+                                     cfg.peer_timeout_s, self._secret, self._on_end,
+                                     self._on_unsafe)
                          if cfg.peer_transfer else None)
 
     # ------------------------------------------------------------------ control thread
@@ -196,8 +197,9 @@ class PeerOps:
                 hold: bool = False) -> None:
         """A held receive ended (receiver thread, or the I/O thread for a cancel or a
         stop): journal and answer it, then release its blocks -- unless ``hold``: its
-        write window could not be fenced, so its sender may still write them, and they
-        stay held (tasks touching them wait) until the daemon restarts."""
+        write window could not be fenced, so its sender may still write them; they
+        stay held (tasks touching them wait) and the rank has failed (:meth:`_on_unsafe`),
+        so its supervisor restarts it."""
         with self._lock:
             self._work.pop(task, None)
         fields = {"bytes": nbytes} if code == ErrorCode.OK else {}
@@ -206,6 +208,11 @@ class PeerOps:
         att = self._slot.current
         if att is not None and not hold:
             att.scheduler.finish([task])
+
+    def _on_unsafe(self, why: str) -> None:
+        """The windows can no longer fence off a stalled sender (any thread): FAILED,
+        so the supervisor restarts the rank, and the process's end ends the writes."""
+        self._rank.sm.fail(ErrorCode.INTERNAL_ERROR, why)
 
     def _enabled(self) -> PeerRuntime:
         if self._runtime is None:

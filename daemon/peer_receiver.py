@@ -216,7 +216,7 @@ class PeerReceiver:
             except OSError as exc:
                 hold = True
                 message += (f"; its write window could not be fenced ({exc}), so its blocks "
-                            f"stay held until this daemon restarts")
+                            f"stay held and the rank failed, to be restarted")
                 log.error("rank %d: %s", self.rank, message)
             if nonce is not None and not hold:
                 self._fenced[nonce] = p.window

@@ -35,8 +35,19 @@ next transfer to this rank then waited ~1 s or failed.  Whatever that sender
 does afterwards, however long it stalled, no byte of it reaches a block, so the
 blocks are released at once: no quarantine, no wait.  The scratch stays mapped
 (a late write into an unmapped address would kill the daemon) until that
-sender's ``done`` proves its write over; one that never sends it leaves that
-address space reserved, and memory only for the late bytes that arrived.
+sender's ``done`` proves its write over.  One that never sends it (it died,
+or it aborted: an abort proves nothing) leaves that address space reserved,
+and memory only for the late bytes that arrived.
+
+**What only a restart fixes.**  Nothing but ``done`` proves a fenced write over,
+so scratch a sender never releases stays until this process ends.  Each scratch
+extent is a mapping of its own; the kernel allows a process ``vm.max_map_count``
+of them (65,530 by default), and an ``mmap`` that fails leaves a fence undone.
+So once the fences of the process hold :data:`MAX_FENCED_MAPS` (the
+:class:`FenceLedger`, across clears), or a fence fails, the windows call
+``on_unsafe`` and the rank fails: its supervisor restarts it, and the end of
+the process ends its Transfer Engine and every late write with it.  Until then
+a receive whose fence failed keeps its blocks held (daemon/peer_receiver.py).
 
 **Why not the others.**  Quarantine (hold the blocks until the sender's ``done``)
 keeps them from the engine for as long as a sender stalls, which is unbounded.
@@ -53,7 +64,7 @@ import logging
 import mmap
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import posix_ipc
@@ -63,6 +74,8 @@ from kvswap.client.errors import ErrorCode, KvswapError
 log = logging.getLogger("kvswap.daemon.peer")
 
 KEEP = 4  # clean windows kept for reuse; more are unmapped when they come back
+MAX_FENCED_MAPS = 8192  # scratch mappings held before the rank restarts to reclaim them
+OnUnsafe = Callable[[str], None]  # the rank can no longer fence: fail it (message says why)
 FENCED_SINCE = (1, 9)  # the protocol version from which senders write through windows
 PAGE = mmap.PAGESIZE
 _RW = mmap.PROT_READ | mmap.PROT_WRITE
@@ -102,6 +115,26 @@ def _unmap(addr: int, length: int) -> None:
         log.error("munmap of %d bytes at %#x failed: %s", length, addr, os.strerror(err))
 
 
+class FenceLedger:
+    """The scratch every fence of this process holds, across the pools it attached
+    (one per rank daemon; the threads that fence and drop share it under its lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.maps = 0
+        self.bytes = 0
+
+    def change(self, kept: list[tuple[int, int]], sign: int) -> None:
+        with self._lock:
+            self.maps += sign * len(kept)
+            self.bytes += sign * sum(n for _, n in kept)
+
+    @property
+    def exhausted(self) -> bool:
+        """The fences hold :data:`MAX_FENCED_MAPS` mappings: only a restart frees them."""
+        return self.maps >= MAX_FENCED_MAPS
+
+
 class Window:
     """One mapping of the pool that one begun receive's sender writes through."""
 
@@ -123,8 +156,19 @@ class Window:
 
     def fence(self) -> None:
         """No write through this window reaches the pool any more (idempotent).  Raises
-        OSError if the mapping could not be replaced: the blocks must then stay held."""
-        self.owner._fence(self)
+        OSError if the mapping could not be replaced: the blocks must then stay held.
+        Either that or a ledger left exhausted calls the owner's ``on_unsafe``."""
+        owner = self.owner
+        try:
+            owner._fence(self)
+        except OSError as exc:
+            owner.on_unsafe(f"a receive's write window could not be fenced ({exc}): its "
+                            f"sender may still write the pool; restarting the rank ends it")
+            raise
+        if owner.ledger.exhausted:
+            owner.on_unsafe(f"the write windows of failed receives hold {owner.ledger.maps} "
+                            f"scratch mappings (at most {MAX_FENCED_MAPS}) that their senders "
+                            f"never released with done; restarting the rank frees them")
 
     def drop(self) -> None:
         """The fenced receive's sender said ``done``: its write is over, unmap the
@@ -137,7 +181,8 @@ class PeerWindows:
     thread; one lock)."""
 
     def __init__(self, engine, shm_name: str, inode: int, pool_addr: int, pool_bytes: int,
-                 bases: tuple[int, ...], block_bytes: tuple[int, ...], accept_late: bool):
+                 bases: tuple[int, ...], block_bytes: tuple[int, ...], accept_late: bool,
+                 ledger: FenceLedger, on_unsafe: OnUnsafe):
         shm = posix_ipc.SharedMemory(shm_name, 0)
         try:
             if inode and os.fstat(shm.fd).st_ino != inode:
@@ -155,7 +200,8 @@ class PeerWindows:
         self._free: list[Window] = []
         self._busy: set[Window] = set()
         self._closed = False
-        self.fenced_bytes = 0  # address space held by fenced scratch
+        self.ledger = ledger
+        self.on_unsafe = on_unsafe
 
     def take(self, ids: np.ndarray) -> Window:
         """A clean window for a receive into host blocks ``ids`` (mapped and registered
@@ -232,10 +278,10 @@ class PeerWindows:
             for a, b in extents + [(self._length, self._length)]:
                 _unmap(w.addr + prev, a - prev)  # never written by that sender
                 prev = b
-            self.fenced_bytes += sum(n for _, n in w.kept)
-        log.warning("a receive's write window was fenced (%d bytes of scratch; %d held in all "
-                    "until those senders say done)", sum(n for _, n in w.kept),
-                    self.fenced_bytes)
+            self.ledger.change(w.kept, +1)
+        log.warning("a receive's write window was fenced (%d bytes of scratch; %d bytes in %d "
+                    "mappings held in all until those senders say done)",
+                    sum(n for _, n in w.kept), self.ledger.bytes, self.ledger.maps)
 
     def _drop(self, w: Window) -> None:
         with self._lock:
@@ -243,12 +289,12 @@ class PeerWindows:
                 if self._accept_late:
                     self._engine.unregister_window(addr)
                 _unmap(addr, n)
-                self.fenced_bytes -= n
+            self.ledger.change(w.kept, -1)
             w.kept = []
 
     def close(self) -> None:
         """The pool is detached: fence the windows of receives still begun, unmap the
-        clean ones.  A fence that fails leaves that window mapped (logged)."""
+        clean ones.  A fence that fails leaves that window mapped and the rank failed."""
         with self._lock:
             if self._closed:
                 return

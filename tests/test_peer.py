@@ -390,7 +390,7 @@ def test_a_fence_stops_a_write_already_in_flight():
     pool reused; resumed, the rest of its bytes land in scratch, never in the pool,
     and so does a new request through the window."""
     from kvswap.daemon.peer import PeerEngine
-    from kvswap.daemon.peer_windows import PeerWindows
+    from kvswap.daemon.peer_windows import FenceLedger, PeerWindows
 
     n, mib = 128 << 20, 1 << 20
     region = ShmRegion.create(f"kvs-test-window-{os.getpid()}", n)
@@ -398,8 +398,9 @@ def test_a_fence_stops_a_write_already_in_flight():
     addr = int(pool.ctypes.data)
     engine = PeerEngine("127.0.0.1", "tcp")
     engine.register(addr, n)
+    unsafe: list[str] = []
     windows = PeerWindows(engine, region.name, region.inode, addr, n, (addr,), (mib,),
-                          accept_late=True)
+                          accept_late=True, ledger=FenceLedger(), on_unsafe=unsafe.append)
     sender = subprocess.Popen([sys.executable, "-c", _SENDER, str(n)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -432,6 +433,7 @@ def test_a_fence_stops_a_write_already_in_flight():
         assert _line(sender) == "0"  # accepted, into scratch
         assert (pool == 0x11).all(), "a request through a fenced window reached the pool"
         w.drop()
+        assert unsafe == [] and windows.ledger.maps == 0
     finally:
         if sender.poll() is None:
             os.kill(sender.pid, signal.SIGCONT)
@@ -442,6 +444,133 @@ def test_a_fence_stops_a_write_already_in_flight():
         pool = None  # the mapping closes with its last array
         region.close()
         region.unlink()
+
+
+class _Engine:
+    """The two calls a PeerWindows makes of its Transfer Engine, recorded."""
+
+    def __init__(self):
+        self.registered: set[int] = set()
+
+    def register_window(self, addr: int, length: int) -> None:
+        self.registered.add(addr)
+
+    def unregister_window(self, addr: int) -> None:
+        self.registered.discard(addr)
+
+
+def test_scratch_past_the_cap_or_a_failed_fence_makes_the_rank_unsafe(monkeypatch):
+    """Scratch a sender never releases (it died, or aborted) is freed only when the
+    process ends; each extent is a mapping, and the process may hold only
+    vm.max_map_count of them.  The ledger counts them across the pools a rank
+    attaches (a clear makes a new PeerWindows), ``on_unsafe`` is called once the
+    fences hold MAX_FENCED_MAPS, and a ``done`` gives them back.  A fence whose mmap
+    fails raises, leaves the window in the sender's reach (its blocks must stay
+    held) and is unsafe too.  A write through a fenced window lands in scratch."""
+    from kvswap.daemon import peer_windows
+    from kvswap.daemon.peer_windows import PAGE, FenceLedger, PeerWindows
+
+    monkeypatch.setattr(peer_windows, "MAX_FENCED_MAPS", 3)
+    blocks, bpb = 8, PAGE  # two tensors of 8 one-page blocks: one extent each per fence
+    region = ShmRegion.create(f"kvs-test-ledger-{os.getpid()}", 2 * blocks * bpb)
+    pool = region.array(0, (2 * blocks * bpb,), np.uint8)
+    addr = int(pool.ctypes.data)
+    ledger, unsafe, engine = FenceLedger(), [], _Engine()
+
+    def windows() -> PeerWindows:
+        return PeerWindows(engine, region.name, region.inode, addr, pool.size,
+                           (addr, addr + blocks * bpb), (bpb, bpb), accept_late=True,
+                           ledger=ledger, on_unsafe=unsafe.append)
+
+    first = windows()
+    try:
+        pool[:] = 7
+        w1 = first.take(np.array([2]))
+        w1.fence()
+        ctypes.memset(w1.bases[0] + 2 * bpb, 0x5A, bpb)  # a late write: scratch, not pool
+        assert (pool == 7).all()
+        assert (ledger.maps, ledger.bytes, unsafe) == (2, 2 * bpb, [])
+        first.close()  # a clear: the pool detached, the scratch stays
+        second = windows()
+        w2 = second.take(np.array([5]))
+        w2.fence()
+        assert ledger.maps == 4 and len(unsafe) == 1, (ledger.maps, unsafe)
+        assert "4 scratch mappings" in unsafe[0] and "restarting the rank" in unsafe[0]
+        w1.drop()  # its sender said done: the first pool's scratch is given back
+        assert (ledger.maps, ledger.bytes) == (2, 2 * bpb)
+
+        w3 = second.take(np.array([1]))
+        real_map = peer_windows._map
+
+        def refuse(at, length, flags, fd):
+            if at is not None:  # the fence's MAP_FIXED over the window
+                raise OSError(12, "Cannot allocate memory")
+            return real_map(at, length, flags, fd)
+        monkeypatch.setattr(peer_windows, "_map", refuse)
+        with pytest.raises(OSError):
+            w3.fence()
+        assert not w3.fenced and len(unsafe) == 2 and "could not be fenced" in unsafe[1]
+        assert w3.addr in engine.registered  # still the sender's to write: keep the blocks
+        monkeypatch.setattr(peer_windows, "_map", real_map)
+        w2.drop()
+        assert ledger.maps == 0
+    finally:
+        second.close()
+        pool = None
+        region.close()
+        region.unlink()
+
+
+def test_a_rank_whose_fences_hold_too_much_scratch_fails_and_is_restarted(namespaces, tmp_path,
+                                                                           monkeypatch):
+    """A sender that begins then aborts leaves its window fenced for good (an abort
+    proves nothing).  With the cap at one fence (set in the daemons through a
+    sitecustomize), the first such abort makes the rank FAILED, naming the scratch;
+    its supervisor restarts it, and the namespace serves again."""
+    import msgpack
+    import zmq
+
+    from kvswap.client.protocol import PROTOCOL_VERSION
+
+    (tmp_path / "sitecustomize.py").write_text(
+        "import kvswap.daemon.peer_windows as w\nw.MAX_FENCED_MAPS = 1\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    dec = _launch(namespaces, 1)
+    monkeypatch.delenv("PYTHONPATH")
+    assert dec.supervise_once() is None  # the supervisor has seen the rank serve
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        with Supervising(dec) as sup, _client(dec) as client:
+            raw, received = client.receive_into([3])
+            ticket = Ticket.from_bytes(raw)
+            sock.connect(ticket.ranks[0].notify)
+
+            def ask(msg: dict) -> dict:
+                sock.send(msgpack.packb(msg))
+                assert sock.poll(30_000), f"no answer to {msg['k']}"
+                return msgpack.unpackb(sock.recv())
+
+            begun = ask({"k": "begin", "nonce": ticket.nonce, "rank": 0, "ticket": raw,
+                         "v": list(PROTOCOL_VERSION)})
+            assert begun["code"] == 0 and len(begun["bases"]) == len(demo_layout(LAYOUT))
+            assert ask({"k": "abort", "nonce": ticket.nonce, "rank": 0,
+                        "message": "test"})["code"] == 0
+            with pytest.raises(TransferFailed):
+                received.result(timeout=30)
+            assert poll_until(lambda: True if int(dec.seg.ranks[0, RankSlot.EPOCH]) == 2
+                              and dec.seg.state_of(0) == RankState.READY else None,
+                              time.monotonic() + 30), dec.progress()
+            client.evict([1], [1]).result(timeout=30)
+            assert sup.reasons == []
+        log = (dec.names.run_dir / "rank0.log").read_text()
+        assert "FAILED [402 INTERNAL_ERROR]" in log and "scratch mappings" in log, log[-2000:]
+        assert dec.supervisor.restarts == 1
+    finally:
+        sock.close()
+        ctx.term()
 
 
 def test_a_sender_that_would_write_the_pool_itself_is_refused(namespaces, monkeypatch):

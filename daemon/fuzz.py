@@ -47,7 +47,7 @@ daemon alive with its original pid and epoch; a ping answered within 2 s;
 nothing left queued or in flight once the replies are in; an evict + load
 round trip whose bytes are verified in shared memory; RSS at the end within
 ``rss_drift`` of the baseline, both taken as the lowest sample over two of the
-daemons' ``malloc_trim`` periods, the baseline after the first tenth of the
+daemons' ``malloc_trim`` periods (``--rss-settle``), the baseline after the first tenth of the
 hostile messages (those grow the allocators to their working size: Python's
 object arenas, libzmq's buffers, and on ``tcp://`` the replay guard, whose
 window is short for this reason, :data:`REPLAY_WINDOW_S`; a leak is growth past
@@ -1031,6 +1031,7 @@ class StressConfig:
     storage: bool = True  # file:// storage tier, so backup/prefetch/exists get validated
     kinds: tuple[str, ...] = tuple(KIND_WEIGHTS)  # case kinds of the run
     rss_drift: float = 0.10
+    rss_settle_s: float = 2 * TRIM_EVERY_S + 1  # RSS watched this long for its low point
     stall_timeout_s: float = 10.0
     ping_timeout_s: float = 2.0
     run_root: str | None = None
@@ -1515,7 +1516,7 @@ def _run_transport(cfg: StressConfig, name: str, seed: int, work: Path) -> Trans
             first = max(1, cfg.messages // 10)
             alive = driver.run(first, driver.gen.next_case, on_step) and driver.drain()
             if alive:
-                rss_base = sampler.settled(2 * TRIM_EVERY_S + 1)
+                rss_base = sampler.settled(cfg.rss_settle_s)
                 progress(f"{name}: drift baseline after {first} hostile messages: RSS "
                          + ", ".join(f"{kib} KiB" for kib in rss_base))
                 alive = (driver.run(cfg.messages - first, driver.gen.next_case, on_step)
@@ -1534,7 +1535,7 @@ def _run_transport(cfg: StressConfig, name: str, seed: int, work: Path) -> Trans
                                          seed)
             checks += more
         sampler.stop()
-        rss_end = sampler.settled(2 * TRIM_EVERY_S + 1)
+        rss_end = sampler.settled(cfg.rss_settle_s)
         epochs_end = [int(launcher.seg.ranks[r, RankSlot.EPOCH]) for r in range(cfg.tp)]
         ranks = []
         for r in range(cfg.tp):
@@ -1681,6 +1682,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "STORAGE_ERROR)")
     p.add_argument("--rss-drift", type=float, default=0.10,
                    help="largest allowed (end - start) / start RSS per daemon (default 0.10)")
+    p.add_argument("--rss-settle", type=float, default=2 * TRIM_EVERY_S + 1,
+                   help="seconds the baseline and end RSS are watched for their lowest sample "
+                        f"(default {2 * TRIM_EVERY_S + 1:g}: two of the daemons' malloc_trim "
+                        "periods; shorter measures allocator slack as growth)")
     p.add_argument("--stall-timeout", type=float, default=10.0,
                    help="seconds without any reply before pending replies count as lost")
     p.add_argument("--run-root", default=None)
@@ -1699,6 +1704,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fuzz_stress: --max-frame-bytes must exceed {MAX_HEADER_BYTES} (the header "
               f"limit), or oversized headers never reach the daemon", file=sys.stderr)
         return 2
+    if not 0 < args.rss_settle <= 3600:
+        print(f"fuzz_stress: --rss-settle must be in (0, 3600] seconds, got {args.rss_settle}",
+              file=sys.stderr)
+        return 2
     kinds = tuple(k for k in args.kinds.split(",") if k)
     unknown = sorted(set(kinds) - set(KIND_WEIGHTS))
     if unknown or not kinds:
@@ -1710,7 +1719,8 @@ def main(argv: list[str] | None = None) -> int:
         transports=("ipc", "tcp") if args.transport == "both" else (args.transport,),
         tp=args.tp, window=args.window, warmup=args.warmup,
         max_frame_bytes=args.max_frame_bytes, storage=not args.no_storage,
-        rss_drift=args.rss_drift, stall_timeout_s=args.stall_timeout, run_root=args.run_root,
+        rss_drift=args.rss_drift, rss_settle_s=args.rss_settle,
+        stall_timeout_s=args.stall_timeout, run_root=args.run_root,
         log_dir=args.log_dir,
         progress=lambda text: print(text, file=sys.stderr, flush=True))
     def interrupted(signum: int, frame: Any) -> None:

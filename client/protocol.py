@@ -35,7 +35,7 @@ import numpy as np
 
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, ProtocolError
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 9)
+PROTOCOL_VERSION: tuple[int, int] = (1, 10)
 
 # Request and task ids are non-negative int64: they key shm tables (layer progress,
 # agreement, the completion journal) that hold them as 64-bit integers.
@@ -751,10 +751,20 @@ MODEL_VERSION_MAX = 200  # characters of a model version (it is hashed into entr
 
 def check_model_version(version: Any) -> str:
     """A model version (``--model-version``, ``set_model_version``): a string of at most
-    :data:`MODEL_VERSION_MAX` characters; ``""`` is "no version"."""
+    :data:`MODEL_VERSION_MAX` characters without ``|``; ``""`` is "no version".
+
+    The daemons fingerprint entries with ``<model id>|tp=<T>[|replicated][|version=<V>]``
+    (daemon/storage_entries.py).  With ``|`` kept out of ``V`` that string names one
+    (model id, TP, part, version) only, whatever the model id holds; with it, model id
+    ``"m|tp=2|version=x"`` and version ``"x|tp=2"`` of model ``"m"`` gave one fingerprint,
+    and one's entries loaded as the other's."""
     if not isinstance(version, str) or len(version) > MODEL_VERSION_MAX:
         raise InvalidTask(f"model version must be a string of at most {MODEL_VERSION_MAX} "
                           f"characters, got {version!r:.80}", ErrorCode.BAD_FIELD)
+    if "|" in version:
+        raise InvalidTask(f"model version {version!r:.80} contains '|', which separates the "
+                          f"fields of the entries' fingerprint: use another character "
+                          f"(e.g. ':' or '@')", ErrorCode.BAD_FIELD)
     return version
 
 

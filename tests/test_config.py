@@ -229,6 +229,7 @@ BAD = [
      ["--host-blocks and --host-size both size the host pool: give one"]),
     ("launch", ["--host-size", "1.5G"], ["--host-size", "like 4096, 512MiB or 64GiB"]),
     ("launch", ["--storage", "ftp://x/y"], ["--storage", "unknown scheme 'ftp'", "file://"]),
+    ("launch", ["--model-version", "x|tp=2"], ["--model-version", "contains '|'"]),
     ("launch", ["--run-root", "/tmp/" + "r" * 120], ["too long for an ipc:// socket path"]),
     ("launch", ["--config", "/nonexistent/kvswap.toml"], ["--config", "cannot read it"]),
     ("status", ["--namespace", "a b"], ["--namespace", "[A-Za-z0-9_-]"]),

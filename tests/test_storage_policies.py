@@ -249,6 +249,13 @@ def test_entries_of_an_old_model_version_are_never_matched(namespaces, tmp_path)
             client.set_model_version("v" * 201)
         with pytest.raises(InvalidTask, match="model version must be a string"):
             client.clear_caches(model_version=3)
+        # '|' separates the fingerprint's fields: model "m" at version "x|tp=2" named its
+        # entries as model "m|tp=2|version=x" at no version did
+        with pytest.raises(InvalidTask, match=r"contains '\|'"):
+            client.set_model_version("x|tp=2")
+        with pytest.raises(InvalidTask, match=r"contains '\|'"):
+            client.clear_caches(model_version="v4|tp=2")
+        assert client.exists(keys).result().count == 0  # still v3: nothing changed
     finally:
         client.close()
         tags.close()

@@ -771,7 +771,8 @@ def _mooncake_backend_row(store: _MooncakeRef, payloads: np.ndarray, repeat: int
         for rnd in range(repeat + 1):
             names = [f"kvswap.bench.r0.{rnd}.{i}" for i in range(n)]
             t0 = time.perf_counter()
-            backend.put([(name, pack_entry(fp, [payloads[i]])) for i, name in enumerate(names)])
+            backend.put([(name, pack_entry(fp, name, [payloads[i]]))
+                         for i, name in enumerate(names)])
             t1 = time.perf_counter()
             got = backend.get(names, [memoryview(row) for row in stage])
             t2 = time.perf_counter()

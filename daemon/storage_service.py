@@ -214,8 +214,9 @@ class StorageService:
         fresh = np.zeros(len(host_ids), dtype=bool)
         for part, fp, names in mine:
             todo = [j for j, there in enumerate(backend.contains(names)) if not there]
-            items = [(names[j], pack_entry(fp, [blocks[i][int(host_ids[j])]
-                                                for i, _, _ in part.spans])) for j in todo]
+            items = [(names[j], pack_entry(fp, names[j], [blocks[i][int(host_ids[j])]
+                                                          for i, _, _ in part.spans]))
+                     for j in todo]
             if items:
                 fresh[[j for j, ok in zip(todo, backend.put(items)) if ok]] = True
         return int(fresh.sum())
@@ -331,25 +332,25 @@ class StorageService:
         copied into its row first, so every verified payload is where the commit
         gathers it from."""
 
-        def check(part: EntryPart, fp: bytes, first: int, got: list, stage: np.ndarray
-                  ) -> tuple[int, CorruptEntry] | None:
+        def check(part: EntryPart, fp: bytes, names: list[str], first: int, got: list,
+                  stage: np.ndarray) -> tuple[int, CorruptEntry] | None:
             for i, raw in enumerate(got, first):
                 view, row = memoryview(raw), stage[lo + i]
                 if view.nbytes <= row.nbytes and address(view)[0] != row.ctypes.data:
                     row[:view.nbytes] = np.frombuffer(view, np.uint8)
                     view = memoryview(row)[:view.nbytes]
                 try:
-                    unpack_entry(view, fp, part.payload_bytes)
+                    unpack_entry(view, fp, names[lo + i], part.payload_bytes)
                 except CorruptEntry as exc:
                     return i, exc
             return None
 
         ends, runs = [], []
-        for (part, fp, _), stage, got in zip(parts, stages, raws):
+        for (part, fp, names), stage, got in zip(parts, stages, raws):
             end = next((i for i, raw in enumerate(got) if raw is None), len(got))
             step = max(1, -(-end // _CHECK_THREADS))
             ends.append(end)
-            runs.append([self._verifier.submit(check, part, fp, first,
+            runs.append([self._verifier.submit(check, part, fp, names, first,
                                                got[first:min(end, first + step)], stage)
                          for first in range(0, end, step)])
         return _Checks(lo, len(raws[0]), [names for _, _, names in parts], ends, runs)

@@ -225,27 +225,27 @@ def test_fingerprints_and_names_separate_models_and_ranks():
 # ------------------------------------------------------------------ entry format
 
 def _packed(name: str = "x") -> bytes:
-    return b"".join(bytes(p) for p in pack_entry(FP, _parts(name)))
+    return b"".join(bytes(p) for p in pack_entry(FP, name, _parts(name)))
 
 
 def test_entry_round_trip_is_zero_copy():
     parts = _parts("a")
-    packed = pack_entry(FP, parts)
+    packed = pack_entry(FP, "a", parts)
     assert len(packed) == 1 + len(parts) and len(packed[0]) == HEADER_BYTES
     assert np.shares_memory(np.frombuffer(packed[1], np.uint8), parts[0])  # a view, not a copy
     raw = b"".join(packed)
-    payload = unpack_entry(raw, FP, PAYLOAD_LEN)
+    payload = unpack_entry(raw, FP, "a", PAYLOAD_LEN)
     assert isinstance(payload, memoryview) and payload.obj is raw
     assert bytes(payload) == _payload("a")
     # parts of any dtype and shape, as long as they are contiguous
     f16 = np.arange(24, dtype=np.float16).reshape(2, 3, 4)
-    raw2 = b"".join(pack_entry(FP, [f16, b"xy"]))
-    assert bytes(unpack_entry(raw2, FP, f16.nbytes + 2)) == f16.tobytes() + b"xy"
-    assert bytes(unpack_entry(b"".join(pack_entry(FP, [])), FP, 0)) == b""
+    raw2 = b"".join(pack_entry(FP, "b", [f16, b"xy"]))
+    assert bytes(unpack_entry(raw2, FP, "b", f16.nbytes + 2)) == f16.tobytes() + b"xy"
+    assert bytes(unpack_entry(b"".join(pack_entry(FP, "c", [])), FP, "c", 0)) == b""
     with pytest.raises(ValueError, match="not C-contiguous"):
-        pack_entry(FP, [np.zeros((4, 4), np.uint8)[:, 1]])
+        pack_entry(FP, "d", [np.zeros((4, 4), np.uint8)[:, 1]])
     with pytest.raises(ValueError, match="fingerprint"):
-        pack_entry(b"short", [b"x"])
+        pack_entry(b"short", "e", [b"x"])
 
 
 @pytest.mark.parametrize("pos", range(HEADER_BYTES))
@@ -253,7 +253,7 @@ def test_every_header_byte_is_checked(pos):
     raw = bytearray(_packed())
     raw[pos] ^= 0x01
     with pytest.raises(CorruptEntry):
-        unpack_entry(raw, FP, PAYLOAD_LEN)
+        unpack_entry(raw, FP, "x", PAYLOAD_LEN)
 
 
 @settings(max_examples=300, deadline=None)
@@ -262,27 +262,43 @@ def test_any_flipped_byte_is_caught(pos, xor):
     raw = bytearray(_packed())
     raw[pos] ^= xor
     with pytest.raises(CorruptEntry):
-        unpack_entry(raw, FP, PAYLOAD_LEN)
+        unpack_entry(raw, FP, "x", PAYLOAD_LEN)
 
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, ENTRY_LEN - 1))
 def test_truncation_is_caught(length):
     with pytest.raises(CorruptEntry, match="truncated"):
-        unpack_entry(_packed()[:length], FP, PAYLOAD_LEN)
+        unpack_entry(_packed()[:length], FP, "x", PAYLOAD_LEN)
 
 
 def test_foreign_length_and_trailing_bytes_are_caught():
     raw = _packed()
     with pytest.raises(CorruptEntry, match="foreign fingerprint"):
-        unpack_entry(raw, OTHER_FP, PAYLOAD_LEN)
+        unpack_entry(raw, OTHER_FP, "x", PAYLOAD_LEN)
     with pytest.raises(CorruptEntry, match="payload length"):
-        unpack_entry(raw, FP, PAYLOAD_LEN - 1)
+        unpack_entry(raw, FP, "x", PAYLOAD_LEN - 1)
     with pytest.raises(CorruptEntry, match="trailing bytes"):
-        unpack_entry(raw + b"\x00", FP, PAYLOAD_LEN)
+        unpack_entry(raw + b"\x00", FP, "x", PAYLOAD_LEN)
     with pytest.raises(CorruptEntry, match="bad magic"):
-        unpack_entry(b"\x00" * ENTRY_LEN, FP, PAYLOAD_LEN)
+        unpack_entry(b"\x00" * ENTRY_LEN, FP, "x", PAYLOAD_LEN)
     assert CorruptEntry("why").reason == "why"
+
+
+def test_an_entry_read_under_another_name_is_refused():
+    """The fingerprint names the model and layout, not the block, and a rank's layout is
+    often every rank's: an entry copied under another key's or another rank's name used
+    to pass every check (format 2).  Its checksum is seeded with its name."""
+    raw = _packed("kvswap.fp.r0.key1")
+    assert bytes(unpack_entry(raw, FP, "kvswap.fp.r0.key1", PAYLOAD_LEN)) == \
+        _payload("kvswap.fp.r0.key1")
+    for other in ("kvswap.fp.r0.key2", "kvswap.fp.r1.key1", "kvswap.fp.all.key1"):
+        with pytest.raises(CorruptEntry, match="written under another name"):
+            unpack_entry(raw, FP, other, PAYLOAD_LEN)
+    old = bytearray(raw)  # a format-2 entry is a miss for this reader
+    old[8:12] = (2).to_bytes(4, "little")
+    with pytest.raises(CorruptEntry, match="format version 2, this reader knows 3"):
+        unpack_entry(bytes(old), FP, "kvswap.fp.r0.key1", PAYLOAD_LEN)
 
 
 # ------------------------------------------------------------------ errors
@@ -384,12 +400,12 @@ def test_redis_url_without_redis_package_says_what_to_install(monkeypatch):
 # ------------------------------------------------------------------ file backend
 
 def _put(backend, names, sizes=(1024, 512, 3000)):
-    return backend.put([(n, pack_entry(FP, _parts(n, sizes))) for n in names])
+    return backend.put([(n, pack_entry(FP, n, _parts(n, sizes))) for n in names])
 
 
 def _check_entry(raw, name, sizes=(1024, 512, 3000)):
     assert raw is not None, f"{name} missing"
-    assert bytes(unpack_entry(raw, FP, sum(sizes))) == _payload(name, sizes)
+    assert bytes(unpack_entry(raw, FP, name, sum(sizes))) == _payload(name, sizes)
 
 
 def test_file_put_get_contains_delete(store_dir):

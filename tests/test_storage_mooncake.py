@@ -93,7 +93,8 @@ def test_zero_copy_round_trip_from_registered_memory(backend):
     backend.register_buffers("host", [pool])
     backend.register_buffers("staging", [stage])
     names = [f"kvswap.t.r0.{i}" for i in range(4)]
-    assert backend.put([(n, pack_entry(FP, [pool[i]])) for i, n in enumerate(names)]) == [True] * 4
+    assert backend.put([(n, pack_entry(FP, n, [pool[i]])) for i, n in enumerate(names)]) == \
+        [True] * 4
     assert backend.bounced_bytes == 4 * HEADER_BYTES  # only the headers were copied
     got = backend.get(names + ["kvswap.t.r0.none"], [memoryview(r) for r in stage] +
                       [memoryview(np.zeros(HEADER_BYTES + ROW, np.uint8))])
@@ -101,7 +102,7 @@ def test_zero_copy_round_trip_from_registered_memory(backend):
     got = backend.get(names, [memoryview(r) for r in stage])
     for i, raw in enumerate(got):
         assert np.shares_memory(np.frombuffer(raw, np.uint8), stage)  # read in place
-        assert bytes(unpack_entry(raw, FP, ROW)) == pool[i].tobytes()
+        assert bytes(unpack_entry(raw, FP, names[i], ROW)) == pool[i].tobytes()
 
 
 def test_small_parts_are_gathered_into_one(master):
@@ -112,27 +113,29 @@ def test_small_parts_are_gathered_into_one(master):
         b.register_buffers("host", [pool])
         halves = [pool[0][:ROW // 2], pool[0][ROW // 2:]]  # adjacent anyway: split them up
         parts = [pool[1], pool[2][:100], pool[3]]
-        assert b.put([("kvswap.t.r0.a", pack_entry(FP, parts)),
-                      ("kvswap.t.r0.b", pack_entry(FP, halves))]) == [True, True]
+        assert b.put([("kvswap.t.r0.a", pack_entry(FP, "kvswap.t.r0.a", parts)),
+                      ("kvswap.t.r0.b", pack_entry(FP, "kvswap.t.r0.b", halves))]) == \
+            [True, True]
         assert b.bounced_bytes == 2 * HEADER_BYTES + 2 * ROW + 100 + ROW
         a, whole = b.get(["kvswap.t.r0.a", "kvswap.t.r0.b"])
-        assert bytes(unpack_entry(a, FP, 2 * ROW + 100)) == b"".join(bytes(p) for p in parts)
-        assert bytes(unpack_entry(whole, FP, ROW)) == pool[0].tobytes()
+        assert bytes(unpack_entry(a, FP, "kvswap.t.r0.a", 2 * ROW + 100)) == b"".join(bytes(p) for p in parts)
+        assert bytes(unpack_entry(whole, FP, "kvswap.t.r0.b", ROW)) == pool[0].tobytes()
     finally:
         b.close()
 
 
 def test_copy_path_and_put_if_absent(backend):
     pool = _pool()
-    first = [("kvswap.t.r0.a", pack_entry(FP, [pool[0]])), ("kvswap.t.r0.b", [b"xyz"])]
+    first = [("kvswap.t.r0.a", pack_entry(FP, "kvswap.t.r0.a", [pool[0]])),
+             ("kvswap.t.r0.b", [b"xyz"])]
     assert backend.put(first) == [True, True]
     assert backend.bounced_bytes == HEADER_BYTES + ROW + 3  # nothing registered: all copied
-    other = pack_entry(FP, [pool[1]])
+    other = pack_entry(FP, "kvswap.t.r0.c", [pool[1]])
     assert backend.put([("kvswap.t.r0.a", other), ("kvswap.t.r0.c", other)]) == [False, True]
     assert backend.contains(["kvswap.t.r0.a", "kvswap.t.r0.x", "kvswap.t.r0.c"]) == \
         [True, False, True]
     a, b, missing = backend.get(["kvswap.t.r0.a", "kvswap.t.r0.b", "kvswap.t.r0.x"])
-    assert bytes(unpack_entry(a, FP, ROW)) == pool[0].tobytes()  # the first put stayed
+    assert bytes(unpack_entry(a, FP, "kvswap.t.r0.a", ROW)) == pool[0].tobytes()  # first put stayed
     assert bytes(b) == b"xyz" and missing is None
     backend.delete(["kvswap.t.r0.a", "kvswap.t.r0.x"])
     assert backend.contains(["kvswap.t.r0.a", "kvswap.t.r0.c"]) == [False, True]
@@ -141,17 +144,17 @@ def test_copy_path_and_put_if_absent(backend):
 def test_released_role_is_copied_again(backend):
     pool = _pool(2)
     backend.register_buffers("host", [pool])
-    backend.put([("kvswap.t.r0.a", pack_entry(FP, [pool[0]]))])
+    backend.put([("kvswap.t.r0.a", pack_entry(FP, "kvswap.t.r0.a", [pool[0]]))])
     assert backend.bounced_bytes == HEADER_BYTES
     backend.register_buffers("host", [])  # the owner is about to free it
-    backend.put([("kvswap.t.r0.b", pack_entry(FP, [pool[1]]))])
+    backend.put([("kvswap.t.r0.b", pack_entry(FP, "kvswap.t.r0.b", [pool[1]]))])
     assert backend.bounced_bytes == 2 * HEADER_BYTES + ROW
 
 
 @pytest.mark.parametrize("damage", ["truncated", "longer", "flipped"])
 def test_damaged_entries_are_rejected_whatever_the_read_path(backend, damage):
     pool = _pool(1)
-    entry = b"".join(bytes(p) for p in pack_entry(FP, [pool[0]]))
+    entry = b"".join(bytes(p) for p in pack_entry(FP, "kvswap.t.r0.bad", [pool[0]]))
     raw = {"truncated": entry[:len(entry) // 2], "longer": entry + b"\0" * 64,
            "flipped": entry[:-5] + bytes([entry[-5] ^ 0xFF]) + entry[-4:]}[damage]
     assert backend.put([("kvswap.t.r0.bad", [raw])]) == [True]
@@ -161,7 +164,7 @@ def test_damaged_entries_are_rejected_whatever_the_read_path(backend, damage):
         got = backend.get(["kvswap.t.r0.bad"], into)[0]
         assert got is not None
         with pytest.raises(CorruptEntry):
-            unpack_entry(got, FP, ROW)
+            unpack_entry(got, FP, "kvswap.t.r0.bad", ROW)
 
 
 def test_dead_master_is_a_storage_error_within_the_timeout_and_a_restart_recovers(master,

@@ -128,8 +128,12 @@ def test_rank_disagreement_loads_the_agreed_prefix_only(namespaces, tmp_path):
         tags.close()
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "swap", "rank"])
 def test_corrupt_entry_is_a_miss_and_never_loaded(namespaces, tmp_path, damage):
+    """A damaged entry (flipped, truncated) and an intact one under another name (rank
+    0's entries of keys 2 and 3 swapped; rank 0's entry of key 2 copied over rank 1's,
+    with the same layout: before entry format 3 both loaded the wrong block) are misses
+    from that block on, logged once and deleted."""
     url = f"file://{tmp_path}/store"
     launcher = _launch(namespaces, url)
     tags = _tags(launcher)
@@ -139,11 +143,17 @@ def test_corrupt_entry_is_a_miss_and_never_loaded(namespaces, tmp_path, damage):
         keys = _keys(4, salt=7)
         client.evict([1, 2, 3, 4], [0, 1, 2, 3]).result()
         client.backup([0, 1, 2, 3], keys).result()
-        name = entry_name(keys[2], 0, FINGERPRINT)
-        raw = bytearray(bytes(store.get([name])[0]))
+        rank = 1 if damage == "rank" else 0
+        name = entry_name(keys[2], rank, FINGERPRINT)
+        raw = bytearray(bytes(store.get([entry_name(keys[2], 0, FINGERPRINT)])[0]))
         raw = raw[:len(raw) // 2] if damage == "truncate" else raw
         if damage == "flip":
             raw[-5] ^= 0xFF
+        if damage == "swap":
+            third = entry_name(keys[3], 0, FINGERPRINT)
+            raw, other = bytearray(bytes(store.get([third])[0])), bytes(raw)
+            store.delete([third])
+            assert store.put([(third, [other])]) == [True]
         store.delete([name])
         assert store.put([(name, [bytes(raw)])]) == [True]
         tags.fill([31], [0])
@@ -151,10 +161,10 @@ def test_corrupt_entry_is_a_miss_and_never_loaded(namespaces, tmp_path, damage):
         assert client.prefetch(keys, [10, 11, 12, 13]).result().count == 2
         client.load([10, 11, 12, 13], [20, 21, 22, 23]).result()
         assert tags.has([20, 21], [2, 3]) and tags.has([22, 23], [0, 0])
-        log = (launcher.names.run_dir / "rank0.log").read_text()
+        log = (launcher.names.run_dir / f"rank{rank}.log").read_text()
         assert log.count(f"storage entry {name} is unusable") == 1
         assert store.contains([name]) == [False]  # deleted, so it can be backed up again
-        assert client.backup([0, 1, 2, 3], keys).result().replies[0].fields["count"] == 1
+        assert client.backup([0, 1, 2, 3], keys).result().replies[rank].fields["count"] == 1
     finally:
         store.close()
         client.close()

@@ -22,12 +22,18 @@ Header (little-endian)::
 
     off  size  field
       0     8  magic            b"KVSWAPEN"
-      8     4  version          u32, 2
-     12     4  flags            u32, 0 (a v2 reader rejects any other value)
+      8     4  version          u32, 3
+     12     4  flags            u32, 0 (a v3 reader rejects any other value)
      16    16  fingerprint      model_fingerprint() of the writer
      32     8  payload_len      u64
-     40     8  payload_xxh3     XXH3-64 of the payload
+     40     8  payload_xxh3     XXH3-64 of the payload, seeded with XXH3-64 of the name
      48     4  header_crc32     zlib.crc32 of bytes 0..47
+
+The seed binds an entry to the name it was written under: the fingerprint names
+the model and layout, not the block, and a rank's layout is often every rank's,
+so an entry copied or renamed under another key's or another rank's name would
+pass every other check and load one block's bytes as another's (format version
+2 had no seed).
 
 The checksums guard against accidental damage (torn writes after a power loss,
 bit rot, a truncated transfer), not against an adversary who can write to the
@@ -71,7 +77,7 @@ Stored = Union[bytes, bytearray, memoryview]
 """What ``get`` returns for a hit: the entry's bytes, in whatever buffer the backend read."""
 
 ENTRY_MAGIC = b"KVSWAPEN"
-ENTRY_VERSION = 2
+ENTRY_VERSION = 3
 _HEADER = struct.Struct("<8sII16sQQ")  # everything up to the header checksum
 _HEADER_CRC = struct.Struct("<I")
 HEADER_BYTES = _HEADER.size + _HEADER_CRC.size  # 52
@@ -107,8 +113,15 @@ def _check_fingerprint(fingerprint: bytes) -> None:
                          f"(model_fingerprint()), got {fingerprint!r}")
 
 
-def pack_entry(fingerprint: bytes, parts: Sequence[Buffer]) -> list[bytes | memoryview]:
-    """The entry for one block: ``[header, *parts]`` with the parts as zero-copy views.
+def _seed(name: str) -> int:
+    """The payload checksum's seed: the entry's name (see the header above)."""
+    return xxhash.xxh3_64_intdigest(name.encode("utf-8"))
+
+
+def pack_entry(fingerprint: bytes, name: str, parts: Sequence[Buffer]
+               ) -> list[bytes | memoryview]:
+    """The entry stored as ``name`` for one block: ``[header, *parts]`` with the parts
+    as zero-copy views.
 
     The parts are read twice (checksum now, write later by the backend): the
     caller must not change them until the backend's ``put`` returns.  If it does,
@@ -117,7 +130,7 @@ def pack_entry(fingerprint: bytes, parts: Sequence[Buffer]) -> list[bytes | memo
     """
     _check_fingerprint(fingerprint)
     views = as_byte_views(parts)
-    digest = xxhash.xxh3_64()
+    digest = xxhash.xxh3_64(seed=_seed(name))
     length = 0
     for view in views:
         digest.update(view)
@@ -127,8 +140,10 @@ def pack_entry(fingerprint: bytes, parts: Sequence[Buffer]) -> list[bytes | memo
     return [head + _HEADER_CRC.pack(zlib.crc32(head)), *views]
 
 
-def unpack_entry(raw: Buffer, fingerprint: bytes, expected_payload_len: int) -> memoryview:
-    """The payload of ``raw`` (a view, no copy) after checking everything; else CorruptEntry.
+def unpack_entry(raw: Buffer, fingerprint: bytes, name: str,
+                 expected_payload_len: int) -> memoryview:
+    """The payload of ``raw``, read as ``name`` (a view, no copy), after checking
+    everything; else CorruptEntry.
 
     ``expected_payload_len`` is the sum of the rank's bytes per block: a stored
     entry of another length belongs to another layout, whatever its header says.
@@ -157,8 +172,9 @@ def unpack_entry(raw: Buffer, fingerprint: bytes, expected_payload_len: int) -> 
         raise CorruptEntry(f"{what}: {len(view) - HEADER_BYTES} payload bytes stored, "
                            f"the header says {length}")
     payload = view[HEADER_BYTES:]
-    if xxhash.xxh3_64_intdigest(payload) != payload_sum:
-        raise CorruptEntry("payload checksum mismatch")
+    if xxhash.xxh3_64_intdigest(payload, seed=_seed(name)) != payload_sum:
+        raise CorruptEntry("payload checksum mismatch: damaged, or written under another "
+                           "name (another block's key, rank or part)")
     return payload
 
 

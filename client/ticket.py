@@ -57,6 +57,21 @@ class TicketRefused(KvswapError):
     default_code = ErrorCode.TICKET_MISMATCH
 
 
+def _int(x: Any) -> int:
+    """An integer field, as it was packed: ``int()`` would turn 1.7 into 1 and raise
+    OverflowError (not a refusal) for an infinite float."""
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{x!r:.40} is not an integer")
+    return x
+
+
+def _bytes(x: Any) -> bytes:
+    """A bytes field: ``bytes()`` of an int would allocate that many zero bytes."""
+    if not isinstance(x, (bytes, bytearray)):
+        raise TypeError(f"{type(x).__name__} is not bytes")
+    return bytes(x)
+
+
 @dataclass(frozen=True)
 class RankEndpoint:
     """Where and how rank r of the receiving namespace is written (peer_info's reply)."""
@@ -76,8 +91,8 @@ class RankEndpoint:
         if not isinstance(m, dict):
             raise TicketRefused("ticket rank entry is not a map")
         try:
-            out = cls(str(m["te"]), str(m["notify"]), tuple(int(x) for x in m["bases"]),
-                      tuple(int(x) for x in m["block_bytes"]), int(m["epoch"]))
+            out = cls(str(m["te"]), str(m["notify"]), tuple(_int(x) for x in m["bases"]),
+                      tuple(_int(x) for x in m["block_bytes"]), _int(m["epoch"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise TicketRefused(f"ticket rank entry is malformed: {exc!r}") from None
         if len(out.bases) != len(out.block_bytes) or not out.bases:
@@ -141,9 +156,9 @@ class Ticket:
                                 f"{VERSION}")
         try:
             ranks = tuple(RankEndpoint.from_wire(r) for r in m["ranks"])
-            t = cls(str(m["ns"]), int(m["tp"]), bytes(m["layout"]),
-                    tuple(int(b) for b in m["ids"]), int(m["exp"]), bytes(m["nonce"]), ranks,
-                    bytes(m.get("mac", b"")))
+            t = cls(str(m["ns"]), _int(m["tp"]), _bytes(m["layout"]),
+                    tuple(_int(b) for b in m["ids"]), _int(m["exp"]), _bytes(m["nonce"]),
+                    ranks, _bytes(m.get("mac", b"")))
         except (KeyError, TypeError, ValueError) as exc:
             raise TicketRefused(f"ticket is malformed: {exc!r}") from None
         if t.tp_size != len(t.ranks) or len(t.nonce) != NONCE_BYTES \

@@ -175,6 +175,9 @@ class Lifecycle:
             raise NotReady(f"rank {rank.index} is {state.name}: it left CLEARING before its "
                            f"clear ran (a failure, a stop, or a restore after a re-sent clear)")
         else:
+            self._peer.end_armed(f"rank {rank.index} is clearing its caches: the receive "
+                                 f"ended before a sender began; after restore_caches() and "
+                                 f"register, ask receive_into for a new ticket")
             drained = poll_until(lambda: True if rank.sig[RankSlot.INFLIGHT] == 0 else None,
                                  time.monotonic() + cfg.drain_timeout_s)
             if drained is None:

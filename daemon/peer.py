@@ -58,7 +58,8 @@ from kvswap.client.protocol import PROTOCOL_VERSION
 from kvswap.client.shm_region import ShmRegion
 from kvswap.client.ticket import RankEndpoint, Ticket
 from kvswap.daemon import crashpoints
-from kvswap.daemon.peer_receiver import OnEnd, PeerReceiver, packb
+from kvswap.daemon.peer_receiver import PeerReceiver, packb
+from kvswap.daemon.peer_table import OnEnd
 from kvswap.daemon.peer_windows import FenceLedger, OnUnsafe, PeerWindows
 
 log = logging.getLogger("kvswap.daemon.peer")
@@ -188,6 +189,7 @@ class PeerSender:
         receiver; return the bytes written.  Raises :class:`KvswapError` on any failure
         (the receiver then fails its receive, by ``abort`` or its own timeout)."""
         peer = ticket.ranks[rank]
+        ticket.check_expiry()  # a push that waited behind others: the receive is gone
         reply = self._ask(peer.notify, {"k": "begin", "nonce": ticket.nonce, "rank": rank,
                                         "ticket": raw_ticket, "v": list(PROTOCOL_VERSION)})
         srcs, dsts, lens = plan_spans(pool.bases, _window(reply, peer.bases), pool.block_bytes,
@@ -279,7 +281,8 @@ class PeerRuntime:
         self._fences = FenceLedger()  # outlives each pool's windows: the scratch does
         self._on_unsafe = on_unsafe
         self._ctx = zmq.Context(1)
-        self.receiver = PeerReceiver(self._ctx, host, rank, secret, timeout_s, on_end)
+        self.receiver = PeerReceiver(self._ctx, host, rank, secret, timeout_s, on_end,
+                                     on_unsafe)
         self.sender = PeerSender(self._ctx, self.engine, timeout_s)
         self.pool: PoolView | None = None
         log.info("peer transfer over %s: Transfer Engine %s, completions on %s", protocol,
@@ -299,6 +302,7 @@ class PeerRuntime:
                                             accept_late=self._protocol == "tcp",
                                             ledger=self._fences, on_unsafe=self._on_unsafe)
         self.pool = pool
+        self.receiver.reopen()
 
     def detach(self) -> None:
         """No peer may write the pool any more: the windows of receives still begun are

@@ -81,6 +81,12 @@ class PeerOps:
             base = swap.region.array(0, (swap.region.size,), np.uint8)
             self._runtime.attach(swap.tensors, swap.blocks, swap.region, int(base.ctypes.data))
 
+    def end_armed(self, why: str) -> None:
+        """A clear begins (control thread, before it drains): end the receives no sender
+        has begun, CLEARED, and those armed until the next attach."""
+        if self._runtime is not None:
+            self._runtime.receiver.end_armed(why)
+
     def detach(self) -> None:
         """The pool is released or kept unattached (clear): no peer may write it."""
         if self._runtime is not None:
@@ -210,8 +216,9 @@ class PeerOps:
             att.scheduler.finish([task])
 
     def _on_unsafe(self, why: str) -> None:
-        """The windows can no longer fence off a stalled sender (any thread): FAILED,
-        so the supervisor restarts the rank, and the process's end ends the writes."""
+        """Peer transfer can no longer be kept safe or live here (any thread): the
+        windows cannot fence off a stalled sender, or the receiver thread died.
+        FAILED, so the supervisor restarts the rank; the process's end ends it all."""
         self._rank.sm.fail(ErrorCode.INTERNAL_ERROR, why)
 
     def _enabled(self) -> PeerRuntime:

@@ -10,7 +10,9 @@ table of receives under a lock and wake it through an inproc PAIR.
 A receive ends exactly once, through ``on_end``: OK after ``done``;
 TICKET_EXPIRED when its ticket expires before a sender began; TRANSFER_FAILED
 when a sender that began goes silent for ``--peer-timeout`` or aborts; CANCELLED
-on ``cancel`` before a sender began; SHUTTING_DOWN when the daemon stops.
+on ``cancel`` before a sender began; CLEARED when a clear begins before a sender
+began; SHUTTING_DOWN when the daemon stops.  Should the listener thread die, the
+rank fails (``on_dead``): its receives could no longer end.
 
 A begun receive writes through a window of its own (daemon/peer_windows.py),
 named in ``begin``'s answer.  ``done`` returns it clean; any other end of a begun
@@ -23,66 +25,39 @@ the sender told the receive had failed) or ``abort``.  A sender before protocol
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import msgpack
 import zmq
 
 from kvswap.client.errors import ErrorCode, KvswapError
 from kvswap.client.protocol import packb
-from kvswap.client.ticket import Ticket, TicketRefused
+from kvswap.client.ticket import NONCE_BYTES, Ticket, TicketRefused
 from kvswap.daemon import crashpoints
-from kvswap.daemon.peer_windows import FENCED_SINCE, PeerWindows, Window, fences
+from kvswap.daemon.peer_early import EarlyBegins
+from kvswap.daemon.peer_table import TAKEN, OnEnd, Pending, RecvState, due_now
+from kvswap.daemon.peer_windows import FENCED_SINCE, OnUnsafe, PeerWindows, Window, fences
 
 log = logging.getLogger("kvswap.daemon.peer")
-
-MAX_EARLY = 1024  # begins a receiver keeps while their receive has not arrived yet
-
-
-class RecvState(enum.Enum):
-    WAITING = "waiting"  # admitted; earlier tasks on its blocks still run
-    ARMED = "armed"  # the blocks are held for it; a sender may begin
-    BEGUN = "begun"  # a sender is writing
-
-
-# on_end(handle, code, message, nbytes[, hold]): a receive ended (called once per receive);
-# hold: its window could not be fenced, keep its blocks held.
-OnEnd = Callable[..., None]
-
-
-@dataclass(eq=False)
-class _Pending:
-    handle: Any
-    ticket: bytes
-    expires_at: float  # monotonic
-    nbytes: int
-    ids: Any  # its host blocks (np.ndarray)
-    state: RecvState = RecvState.WAITING
-    window: Window | None = None
-    begun_deadline: float = 0.0
-    parked: list[bytes] = field(default_factory=list)  # begin idents waiting for ARMED
-
 
 class PeerReceiver:
     """The receives armed on this rank and their completion listener (own thread)."""
 
     def __init__(self, ctx: zmq.Context, host: str, rank: int, secret: bytes,
-                 timeout_s: float, on_end: OnEnd):
+                 timeout_s: float, on_end: OnEnd, on_dead: OnUnsafe):
         self.rank = rank
         self._secret = secret
         self._timeout_s = timeout_s
         self._on_end = on_end
+        self._on_dead = on_dead  # the listener thread died: the rank must fail
+        self._clearing = ""  # set by end_armed (a clear): receives armed now end at once
         self._lock = threading.Lock()
-        self._pending: dict[bytes, _Pending] = {}
+        self._pending: dict[bytes, Pending] = {}
         self._used: dict[bytes, float] = {}  # nonce -> expiry (monotonic) of armed tickets
-        # begins that overtook their peer_recv (receive_into does not wait for it): nonce ->
-        # [(ident, ticket, deadline)], answered once it is admitted or at the deadline
-        self._early: dict[bytes, list[tuple[bytes, Any, float]]] = {}
+        self._early = EarlyBegins(rank, timeout_s, self._answer)  # begins before receives
         self._refused: list[bytes] = []  # parked begins whose receive ended before ARMED
         self.windows: PeerWindows | None = None  # set while a pool is attached
         self._fenced: dict[bytes, Window] = {}  # failed receives whose sender may still write
@@ -112,18 +87,22 @@ class PeerReceiver:
             if nonce in self._pending or nonce in self._used:
                 raise TicketRefused(f"rank {self.rank} has armed this ticket already (a ticket "
                                     f"is used once): ask receive_into for a new one")
-            self._pending[nonce] = _Pending(None, ticket, expires_at, nbytes, ids)
+            self._pending[nonce] = Pending(None, ticket, expires_at, nbytes, ids)
             self._used[nonce] = expires_at
         self._wake()  # a begin that overtook this receive may be waiting for it
 
     def arm(self, nonce: bytes, handle: Any) -> None:
         """The receive's blocks are now held for it (a peer worker); ``handle`` is what
-        ``on_end`` is called with when it ends."""
+        ``on_end`` is called with when it ends.  During a clear it ends at once."""
         with self._lock:
             p = self._pending.get(nonce)
+            clearing = self._clearing
             if p is not None:
                 p.handle = handle
                 p.state = RecvState.ARMED
+        if p is not None and clearing:
+            self._end_armed([nonce], ErrorCode.CLEARED, clearing)
+            return
         self._wake()
 
     def forget(self, nonce: bytes) -> None:
@@ -131,20 +110,42 @@ class PeerReceiver:
         with self._lock:
             p = self._pending.pop(nonce, None)
             if p is not None:
-                self._refused += p.parked
+                self._refused += [i for i, _ in p.parked]
         self._wake()  # the listener refuses the begins that waited for it
+
+    def end_armed(self, why: str) -> None:
+        """A clear begins (control thread): end CLEARED every receive no sender has begun,
+        now and as they arm until :meth:`reopen` (each would hold the clear's drain for
+        as long as its ticket lives); a begun one ends by ``done`` or --peer-timeout."""
+        with self._lock:
+            self._clearing = why
+            armed = [n for n, p in self._pending.items() if p.state is RecvState.ARMED]
+        self._end_armed(armed, ErrorCode.CLEARED, why)
+
+    def reopen(self) -> None:
+        """A pool is attached again (register after restore): receives arm as before."""
+        with self._lock:
+            self._clearing = ""
 
     def cancel(self, nonce: bytes) -> bool:
         """End an armed receive no sender has begun, CANCELLED; False otherwise."""
+        return self._end_armed([nonce], ErrorCode.CANCELLED,
+                               "receive cancelled before a sender began") == 1
+
+    def _end_armed(self, nonces: list[bytes], code: ErrorCode, why: str) -> int:
+        ended = []
         with self._lock:
-            p = self._pending.get(nonce)
-            if p is None or p.state is not RecvState.ARMED:
-                return False
-            del self._pending[nonce]
-            self._refused += p.parked
-        self._on_end(p.handle, ErrorCode.CANCELLED, "receive cancelled before a sender began",
-                     0)
-        return True
+            for nonce in nonces:
+                p = self._pending.get(nonce)
+                if p is not None and p.state is RecvState.ARMED:
+                    del self._pending[nonce]
+                    self._refused += [i for i, _ in p.parked]
+                    ended.append(p)
+        for p in ended:
+            self._on_end(p.handle, code, why, 0)
+        if ended:
+            self._wake()
+        return len(ended)
 
     def close(self) -> None:
         """End every receive SHUTTING_DOWN and stop the listener."""
@@ -174,6 +175,17 @@ class PeerReceiver:
 
     # ------------------------------------------------------------------ its thread
     def _loop(self) -> None:
+        """The listener; if it ever dies, every receive of the rank would hang with its
+        blocks held while the rank looked READY, so the rank fails instead."""
+        try:
+            self._serve()
+        except BaseException as exc:
+            log.exception("rank %d: the peer receiver thread died", self.rank)
+            self._on_dead(f"the peer receiver thread died ({exc!r}): its receives can no "
+                          f"longer end; the rank restarts")
+            raise
+
+    def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
@@ -183,7 +195,8 @@ class PeerReceiver:
                     return
                 deadlines = [p.begun_deadline if p.state is RecvState.BEGUN else p.expires_at
                              for p in self._pending.values() if p.state is not RecvState.WAITING]
-            deadlines += [d for waiting in self._early.values() for _, _, d in waiting]
+                deadlines += [d for p in self._pending.values() for _, d in p.parked]
+            deadlines += self._early.deadlines()
             wait = min(deadlines, default=time.monotonic() + 1.0) - time.monotonic()
             events = dict(poller.poll(max(0, int(wait * 1000)) + 1))
             if self._wake_rx in events:
@@ -205,7 +218,7 @@ class PeerReceiver:
         self._router.send_multipart([ident, packb({"code": int(code), "message": message,
                                                    **fields})])
 
-    def _end_begun(self, nonce: bytes | None, p: _Pending, code: ErrorCode, message: str) -> None:
+    def _end_begun(self, nonce: bytes | None, p: Pending, code: ErrorCode, message: str) -> None:
         """End a begun receive other than by ``done``: fence its window, then release its
         blocks (kept held if the fence failed).  With ``nonce``, remember it for the
         sender's late ``done`` or ``abort``."""
@@ -235,7 +248,7 @@ class PeerReceiver:
                      f"for {self._timeout_s:.1f}s, --peer-timeout): its write was fenced off, "
                      f"no byte of it reached the receiver's blocks")
 
-    def _open(self, ident: bytes, nonce: bytes, p: _Pending) -> None:
+    def _open(self, ident: bytes, nonce: bytes, p: Pending) -> None:
         """A receive just began: give it a window, answer ``begin`` with its bases."""
         windows = self.windows
         try:
@@ -262,9 +275,15 @@ class PeerReceiver:
     def _on_message(self, ident: bytes, raw: bytes) -> None:
         try:
             m = msgpack.unpackb(raw, raw=False)
-            kind, nonce, rank = m["k"], bytes(m["nonce"]), int(m["rank"])
+            kind, nonce, rank = m["k"], m["nonce"], m["rank"]
+            if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+                raise ValueError(f"nonce must be {NONCE_BYTES} bytes")
+            if isinstance(rank, bool) or not isinstance(rank, int):
+                raise ValueError("rank must be an integer")
         except Exception as exc:  # msgpack raises several unrelated types for bad input
-            self._answer(ident, ErrorCode.PROTOCOL_ERROR, f"unreadable peer message: {exc}")
+            self._answer(ident, ErrorCode.PROTOCOL_ERROR,
+                         f"unreadable peer message: {exc!r} (expected a map with k, nonce, "
+                         f"rank, as a kvswap sender sends)")
             return
         if rank != self.rank:
             self._answer(ident, ErrorCode.TICKET_MISMATCH,
@@ -280,7 +299,7 @@ class PeerReceiver:
             p = self._pending.get(nonce)
             used = nonce in self._used
         if p is None and kind == "begin" and not used:
-            self._park_early(ident, nonce, m.get("ticket"))
+            self._early.park(ident, nonce, m.get("ticket"))
             return
         if p is None and kind in ("done", "abort") and nonce in self._fenced:
             self._late(ident, kind, nonce)
@@ -316,7 +335,7 @@ class PeerReceiver:
         else:
             self._answer(ident, ErrorCode.PROTOCOL_ERROR, f"unknown peer message {kind!r}")
 
-    def _on_begin(self, ident: bytes, nonce: bytes, p: _Pending, ticket: Any) -> None:
+    def _on_begin(self, ident: bytes, nonce: bytes, p: Pending, ticket: Any) -> None:
         try:
             presented = Ticket.from_bytes(ticket)
             if self._secret:
@@ -327,91 +346,52 @@ class PeerReceiver:
         except TicketRefused as exc:
             self._answer(ident, exc.code, exc.message)
             return
+        orphans: list[tuple[bytes, float]] = []
         with self._lock:
             if p.state is RecvState.BEGUN:
-                refusal = "another sender is already writing this ticket's blocks"
+                refusal = TAKEN
             elif p.state is RecvState.WAITING:
-                p.parked.append(ident)
+                p.parked.append((ident, time.monotonic() + self._timeout_s))
                 log.info("rank %d: a begin waits for its receive (earlier tasks on its blocks "
                          "still run)", self.rank)
                 return
-            else:
+            else:  # ARMED: this begin takes it; begins parked before it lost the race
                 refusal = ""
+                orphans, p.parked = p.parked, []
                 p.state = RecvState.BEGUN
                 p.begun_deadline = time.monotonic() + self._timeout_s
+        for other, _ in orphans:
+            self._answer(other, ErrorCode.TICKET_MISMATCH, TAKEN)
         if refusal:
             self._answer(ident, ErrorCode.TICKET_MISMATCH, refusal)
             return
         self._open(ident, nonce, p)
 
-    def _park_early(self, ident: bytes, nonce: bytes, ticket: Any) -> None:
-        if sum(len(v) for v in self._early.values()) >= MAX_EARLY:
-            self._answer(ident, ErrorCode.TICKET_MISMATCH, f"rank {self.rank} has no receive "
-                         f"for this ticket and {MAX_EARLY} begins wait already")
-            return
-        self._early.setdefault(nonce, []).append(
-            (ident, ticket, time.monotonic() + self._timeout_s))
-
-    def _sweep_early(self, now: float) -> None:
-        """Begins that arrived before their receive: handle them once it is admitted,
-        refuse them at their deadline."""
-        for nonce in list(self._early):
-            with self._lock:
-                p = self._pending.get(nonce)
-            waiting = self._early.pop(nonce)
-            if p is not None:
-                for ident, ticket, _ in waiting:
-                    self._on_begin(ident, nonce, p, ticket)
-                continue
-            for ident, ticket, deadline in waiting:
-                if now >= deadline:
-                    self._answer(ident, ErrorCode.TICKET_MISMATCH,
-                                 f"rank {self.rank} has no receive for this ticket after "
-                                 f"{self._timeout_s:.1f}s (--peer-timeout)")
-                else:
-                    self._early.setdefault(nonce, []).append((ident, ticket, deadline))
+    def _admitted(self, nonce: bytes) -> Pending | None:
+        with self._lock:
+            return self._pending.get(nonce)
 
     def _sweep(self) -> None:
         """Answer parked begins whose receive is armed or gone; end expired receives."""
         now = time.monotonic()
-        self._sweep_early(now)
+        for ident, nonce, ticket, p in self._early.due(self._admitted, now):
+            self._on_begin(ident, nonce, p, ticket)
         with self._lock:
             refused, self._refused = self._refused, []
         for ident in refused:
             self._answer(ident, ErrorCode.TICKET_MISMATCH, "the receive was cancelled")
-        ended: list[tuple[_Pending, ErrorCode, str]] = []
-        failed: list[tuple[bytes, _Pending]] = []
-        begun: list[tuple[bytes, bytes, _Pending]] = []
-        replies: list[tuple[bytes, ErrorCode, str]] = []
         with self._lock:
-            for nonce in [n for n, exp in self._used.items() if exp <= now]:
-                del self._used[nonce]
-            for nonce, p in list(self._pending.items()):
-                if p.state is RecvState.ARMED and p.parked:
-                    first, *rest = p.parked
-                    p.parked = []
-                    p.state = RecvState.BEGUN
-                    p.begun_deadline = now + self._timeout_s
-                    begun.append((first, nonce, p))
-                    replies += [(i, ErrorCode.TICKET_MISMATCH, "another sender is already "
-                                 "writing this ticket's blocks") for i in rest]
-                elif p.state is RecvState.BEGUN and now >= p.begun_deadline:
-                    del self._pending[nonce]
-                    failed.append((nonce, p))
-                elif p.state is RecvState.ARMED and now >= p.expires_at:
-                    del self._pending[nonce]
-                    ended.append((p, ErrorCode.TICKET_EXPIRED,
-                                  "the ticket expired before a sender began"))
-        for p, code, message in ended:
-            self._on_end(p.handle, code, message, 0)
-        for nonce, p in failed:
+            due = due_now(self._pending, self._used, now, self._timeout_s, self.rank)
+        self._end_armed(due.expired, ErrorCode.TICKET_EXPIRED,
+                        "the ticket expired before a sender began")
+        for nonce, p in due.failed:
             self._end_begun(nonce, p, ErrorCode.TRANSFER_FAILED,
                             f"the sender began writing but was silent for "
                             f"{self._timeout_s:.1f}s (--peer-timeout); the blocks hold unknown "
                             f"content, and no later byte of that sender can reach them (its "
                             f"write window is fenced)")
-        for ident, nonce, p in begun:
+        for ident, nonce, p in due.begun:
             self._open(ident, nonce, p)
-        for ident, code, message in replies:
+        for ident, code, message in due.replies:
             self._answer(ident, code, message)
 

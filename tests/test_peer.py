@@ -23,7 +23,7 @@ from kvswap.client.errors import ErrorCode, KvswapError, RankRestarted, Transfer
 from kvswap.client.layout import demo_layout
 from kvswap.client.shm_region import ShmRegion
 from kvswap.client.signals import RankSlot, RankState, poll_until
-from kvswap.client.ticket import Ticket, TicketRefused
+from kvswap.client.ticket import RankEndpoint, Ticket, TicketRefused
 from kvswap.client.transfer_client import TransferClient
 from kvswap.daemon.supervisor import SupervisorConfig
 
@@ -521,56 +521,254 @@ def test_scratch_past_the_cap_or_a_failed_fence_makes_the_rank_unsafe(monkeypatc
         region.unlink()
 
 
+class _RawSender:
+    """A bare DEALER on a receiver's completion listener: the messages a sender sends,
+    or ones no kvswap sender would."""
+
+    def __init__(self, notify: str):
+        import zmq
+
+        self._ctx = zmq.Context()
+        self.sock = self._ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(notify)
+
+    def send(self, msg: dict) -> None:
+        import msgpack
+
+        self.sock.send(msgpack.packb(msg))
+
+    def answer(self, timeout_s: float = 30.0) -> dict:
+        import msgpack
+
+        assert self.sock.poll(int(timeout_s * 1000)), "the receiver did not answer"
+        return msgpack.unpackb(self.sock.recv())
+
+    def ask(self, msg: dict, timeout_s: float = 30.0) -> dict:
+        self.send(msg)
+        return self.answer(timeout_s)
+
+    def begin(self, raw: bytes, ticket: Ticket | None = None) -> dict:
+        from kvswap.client.protocol import PROTOCOL_VERSION
+
+        ticket = ticket or Ticket.from_bytes(raw)
+        return {"k": "begin", "nonce": ticket.nonce, "rank": 0, "ticket": raw,
+                "v": list(PROTOCOL_VERSION)}
+
+    def close(self) -> None:
+        self.sock.close()
+        self._ctx.term()
+
+
+def _with_site(tmp_path, monkeypatch, code: str) -> None:
+    """Daemons launched until ``monkeypatch.delenv("PYTHONPATH")`` run ``code`` first
+    (a sitecustomize): a limit lowered, a fault injected, no hook in the daemon."""
+    (tmp_path / "sitecustomize.py").write_text(code)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
+def _restarted(launcher) -> None:
+    assert poll_until(lambda: True if int(launcher.seg.ranks[0, RankSlot.EPOCH]) == 2
+                      and launcher.seg.state_of(0) == RankState.READY else None,
+                      time.monotonic() + 30), launcher.progress()
+
+
 def test_a_rank_whose_fences_hold_too_much_scratch_fails_and_is_restarted(namespaces, tmp_path,
                                                                            monkeypatch):
     """A sender that begins then aborts leaves its window fenced for good (an abort
     proves nothing).  With the cap at one fence (set in the daemons through a
     sitecustomize), the first such abort makes the rank FAILED, naming the scratch;
     its supervisor restarts it, and the namespace serves again."""
-    import msgpack
-    import zmq
-
-    from kvswap.client.protocol import PROTOCOL_VERSION
-
-    (tmp_path / "sitecustomize.py").write_text(
-        "import kvswap.daemon.peer_windows as w\nw.MAX_FENCED_MAPS = 1\n")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    _with_site(tmp_path, monkeypatch,
+               "import kvswap.daemon.peer_windows as w\nw.MAX_FENCED_MAPS = 1\n")
     dec = _launch(namespaces, 1)
     monkeypatch.delenv("PYTHONPATH")
     assert dec.supervise_once() is None  # the supervisor has seen the rank serve
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        with Supervising(dec) as sup, _client(dec) as client:
-            raw, received = client.receive_into([3])
-            ticket = Ticket.from_bytes(raw)
-            sock.connect(ticket.ranks[0].notify)
-
-            def ask(msg: dict) -> dict:
-                sock.send(msgpack.packb(msg))
-                assert sock.poll(30_000), f"no answer to {msg['k']}"
-                return msgpack.unpackb(sock.recv())
-
-            begun = ask({"k": "begin", "nonce": ticket.nonce, "rank": 0, "ticket": raw,
-                         "v": list(PROTOCOL_VERSION)})
+    with Supervising(dec) as sup, _client(dec) as client:
+        raw, received = client.receive_into([3])
+        ticket = Ticket.from_bytes(raw)
+        sender = _RawSender(ticket.ranks[0].notify)
+        try:
+            begun = sender.ask(sender.begin(raw))
             assert begun["code"] == 0 and len(begun["bases"]) == len(demo_layout(LAYOUT))
-            assert ask({"k": "abort", "nonce": ticket.nonce, "rank": 0,
-                        "message": "test"})["code"] == 0
-            with pytest.raises(TransferFailed):
-                received.result(timeout=30)
-            assert poll_until(lambda: True if int(dec.seg.ranks[0, RankSlot.EPOCH]) == 2
-                              and dec.seg.state_of(0) == RankState.READY else None,
-                              time.monotonic() + 30), dec.progress()
-            client.evict([1], [1]).result(timeout=30)
-            assert sup.reasons == []
-        log = (dec.names.run_dir / "rank0.log").read_text()
-        assert "FAILED [402 INTERNAL_ERROR]" in log and "scratch mappings" in log, log[-2000:]
-        assert dec.supervisor.restarts == 1
+            assert sender.ask({"k": "abort", "nonce": ticket.nonce, "rank": 0,
+                               "message": "test"})["code"] == 0
+        finally:
+            sender.close()
+        with pytest.raises(TransferFailed):
+            received.result(timeout=30)
+        _restarted(dec)
+        client.evict([1], [1]).result(timeout=30)
+        assert sup.reasons == []
+    log = (dec.names.run_dir / "rank0.log").read_text()
+    assert "FAILED [402 INTERNAL_ERROR]" in log and "scratch mappings" in log, log[-2000:]
+    assert dec.supervisor.restarts == 1
+
+
+def test_a_begin_that_cannot_be_read_is_refused_and_the_listener_goes_on(namespaces):
+    """A begin whose ticket held an infinite expiry raised OverflowError in the
+    listener thread, which died: every receive of the rank then hung with its blocks
+    held while the rank looked READY.  It is refused TICKET_MISMATCH, and so is a
+    message whose nonce is not 16 bytes (an int nonce made bytes() allocate that many);
+    the same receive then begins and completes."""
+    dec = _launch(namespaces, 1)
+    with _client(dec) as client:
+        raw, received = client.receive_into([3])
+        ticket = Ticket.from_bytes(raw)
+        bad = ticket.body()
+        bad["exp"] = float("inf")
+        sender = _RawSender(ticket.ranks[0].notify)
+        try:
+            import msgpack
+
+            refused = sender.ask(sender.begin(msgpack.packb(bad), ticket))
+            assert refused["code"] == ErrorCode.TICKET_MISMATCH, refused
+            assert "malformed" in refused["message"], refused
+            odd = sender.ask({"k": "begin", "nonce": 10**9, "rank": 0})
+            assert odd["code"] == ErrorCode.PROTOCOL_ERROR and "16 bytes" in odd["message"]
+            assert sender.ask(sender.begin(raw))["code"] == 0
+            assert sender.ask({"k": "done", "nonce": ticket.nonce, "rank": 0})["code"] == 0
+        finally:
+            sender.close()
+        received.result(timeout=30)
+        assert dec.seg.state_of(0) == RankState.READY
+
+
+def test_a_dead_listener_thread_fails_the_rank(namespaces, tmp_path, monkeypatch):
+    """Should the listener thread die anyway (a fault injected through a sitecustomize),
+    the rank goes FAILED naming it, and its supervisor restarts it: before, it stayed
+    READY with every receive hung."""
+    _with_site(tmp_path, monkeypatch, (
+        "import msgpack\nimport kvswap.daemon.peer_receiver as r\n"
+        "real = r.PeerReceiver._on_message\n"
+        "def on_message(self, ident, raw):\n"
+        "    if msgpack.unpackb(raw).get('k') == 'boom':\n"
+        "        raise RuntimeError('injected')\n"
+        "    return real(self, ident, raw)\n"
+        "r.PeerReceiver._on_message = on_message\n"))
+    dec = _launch(namespaces, 1)
+    monkeypatch.delenv("PYTHONPATH")
+    assert dec.supervise_once() is None  # the supervisor has seen the rank serve
+    with Supervising(dec) as sup, _client(dec) as client:
+        notify = Ticket.from_bytes(client.receive_into([3], ttl_s=1.0)[0]).ranks[0].notify
+        sender = _RawSender(notify)
+        try:
+            sender.send({"k": "boom"})
+            _restarted(dec)
+        finally:
+            sender.close()
+        client.evict([1], [1]).result(timeout=30)
+        assert sup.reasons == []
+    log = (dec.names.run_dir / "rank0.log").read_text()
+    assert "the peer receiver thread died (RuntimeError('injected'))" in log, log[-2000:]
+
+
+def test_a_begin_with_an_expired_ticket_is_refused_at_once(namespaces):
+    """Its nonce left the used set at its expiry, so the begin looked early and was
+    kept for the whole --peer-timeout; it is answered TICKET_EXPIRED now."""
+    dec = _launch(namespaces, 1, peer_timeout_s=20.0)
+    with _client(dec) as client:
+        raw, received = client.receive_into([3], ttl_s=0.3)
+        with pytest.raises(KvswapError) as exc:
+            received.result(timeout=30)
+        assert exc.value.code == ErrorCode.TICKET_EXPIRED
+        sender = _RawSender(Ticket.from_bytes(raw).ranks[0].notify)
+        try:
+            t0 = time.monotonic()
+            late = sender.ask(sender.begin(raw))
+            assert late["code"] == ErrorCode.TICKET_EXPIRED, late
+            assert time.monotonic() - t0 < 10, "kept for --peer-timeout"
+        finally:
+            sender.close()
+
+
+def test_a_begin_parked_past_the_peer_timeout_is_refused_not_taken(namespaces):
+    """A begin for a receive that waits behind another on its blocks is parked.  Its
+    sender gives up after --peer-timeout; the parked begin used to be taken when the
+    receive armed, so the receive failed another timeout later ("the sender began
+    writing but was silent") and left a fenced window for good.  It is refused at
+    its deadline, and the receive stays armed for a sender (here: cancelled)."""
+    dec = _launch(namespaces, 1, peer_timeout_s=2.0)
+    with _client(dec) as client:
+        _, holder = client.receive_into([3])
+        raw, second = client.receive_into([3])  # waits for the holder's blocks
+        sender = _RawSender(Ticket.from_bytes(raw).ranks[0].notify)
+        try:
+            t0 = time.monotonic()
+            refused = sender.ask(sender.begin(raw), timeout_s=20)
+            assert refused["code"] == ErrorCode.TICKET_MISMATCH, refused
+            assert "did not arm within 2.0s" in refused["message"], refused
+            assert time.monotonic() - t0 < 10
+        finally:
+            sender.close()
+        holder.cancel().result(timeout=30)
+        second.cancel().result(timeout=30)  # armed or waiting, never begun: cancellable
+        with pytest.raises(TransferFailed) as exc:
+            second.result(timeout=30)
+        assert exc.value.code == ErrorCode.CANCELLED, exc.value
+
+
+def test_a_begin_parked_before_another_took_the_receive_is_answered():
+    """Begin A waits (parked) while its receive is not armed yet; the receive arms,
+    and begin B reaches the listener before its sweep hands the receive to A: B takes
+    it, and A was never answered (its sender waited for its whole timeout).  A is
+    refused at once.  In process: the listener's sweep is held while B arrives."""
+    import zmq
+
+    from kvswap.daemon.peer_receiver import PeerReceiver
+    from kvswap.daemon.peer_table import RecvState
+
+    ended: list = []
+    ctx = zmq.Context()
+    receiver = PeerReceiver(ctx, "127.0.0.1", 0, b"", 30.0, lambda *a: ended.append(a),
+                            on_dead=ended.append)
+    ticket = Ticket.issue("ns", bytes(32), [3], [RankEndpoint("te", receiver.endpoint, (1,),
+                                                             (4096,), 1)], 60.0, None)
+    raw = ticket.to_bytes()
+    a, b = _RawSender(receiver.endpoint), _RawSender(receiver.endpoint)
+    try:
+        receiver.expect(ticket.nonce, raw, ticket.expires_ns, 4096, np.array([3]))
+        a.send(a.begin(raw))
+        assert poll_until(lambda: True if receiver._pending[ticket.nonce].parked else None,
+                          time.monotonic() + 10)
+        receiver._sweep = lambda: None  # the listener reads B before it sweeps
+        receiver.arm(ticket.nonce, "handle")
+        assert receiver._pending[ticket.nonce].state is RecvState.ARMED
+        b.send(b.begin(raw))
+        lost = a.answer(timeout_s=10)
+        assert lost["code"] == ErrorCode.TICKET_MISMATCH and "already writing" in lost["message"]
+        assert b.answer(timeout_s=10)["code"] == ErrorCode.TRANSFER_FAILED  # no pool here
     finally:
-        sock.close()
+        del receiver._sweep
+        receiver.close()
+        a.close()
+        b.close()
         ctx.term()
+
+
+def test_a_clear_ends_the_receives_no_sender_began(namespaces):
+    """An armed receive holds its blocks until a sender comes or its ticket expires;
+    a clear's drain waited for it and then failed the rank (RANK_TIMEOUT).  The clear
+    ends it CLEARED at once, and after the restore receives arm again."""
+    dec = _launch(namespaces, 1, drain_timeout_s=10.0)
+    with _client(dec) as client:
+        _, received = client.receive_into([3], ttl_s=120.0)
+        _, waiting = client.receive_into([3], ttl_s=120.0)  # armed during the drain
+        t0 = time.monotonic()
+        client.clear_caches().result(timeout=30)
+        assert time.monotonic() - t0 < 8
+        for fut in (received, waiting):
+            with pytest.raises(KvswapError) as exc:
+                fut.result(timeout=30)
+            assert exc.value.code == ErrorCode.CLEARED and "clearing" in str(exc.value)
+        client.restore_caches().result(timeout=30)
+        client.wait_ready(timeout=30)
+        _, again = client.receive_into([3])
+        again.cancel().result(timeout=30)  # armed as before the clear, not ended CLEARED
+        with pytest.raises(TransferFailed) as exc:
+            again.result(timeout=30)
+        assert exc.value.code == ErrorCode.CANCELLED, exc.value
 
 
 def test_a_sender_that_would_write_the_pool_itself_is_refused(namespaces, monkeypatch):

@@ -84,6 +84,25 @@ def test_garbage_is_refused_with_a_clear_error(raw, words):
     assert exc.value.code == ErrorCode.TICKET_MISMATCH and words in exc.value.message
 
 
+@pytest.mark.parametrize("field,value", [
+    ("exp", float("inf")), ("exp", 1.5), ("tp", True), ("ids", [3, 4.0, 5]),
+    ("nonce", 10**9), ("layout", 10**9), ("mac", 7),
+])
+def test_a_field_of_the_wrong_type_is_refused_not_converted(field, value):
+    """int() of an infinite float raised OverflowError (it killed the receiving daemon's
+    listener thread), int(1.7) read as 1, bytes(10**9) allocated a gigabyte: every field
+    must arrive as the type it was packed as."""
+    body = _ticket().body()
+    body[field] = value
+    with pytest.raises(TicketRefused) as exc:
+        Ticket.from_bytes(msgpack.packb(body))
+    assert exc.value.code == ErrorCode.TICKET_MISMATCH and "malformed" in exc.value.message
+    entry = _ticket().body()
+    entry["ranks"][0]["epoch"] = float("inf")
+    with pytest.raises(TicketRefused, match="rank entry is malformed"):
+        Ticket.from_bytes(msgpack.packb(entry))
+
+
 def test_a_ticket_whose_rank_list_disagrees_with_its_tp_size_is_malformed():
     body = msgpack.unpackb(_ticket().to_bytes())
     body["tp"] = 3

@@ -1,0 +1,73 @@
+"""Begins that overtook their receive: a receiver's waiting room, owned by its listener
+thread alone (daemon/peer_receiver.py).
+
+``receive_into`` hands out a ticket without waiting for the receive's admission,
+so a sender's ``begin`` may reach the receiver first.  Such a begin is kept until
+its receive is admitted, then handled like any begin, or refused once the sender
+has given up waiting for its answer (``--peer-timeout``).  A begin whose ticket
+cannot be used is refused at once: not a ticket, not this nonce's, or expired (a
+ticket's nonce leaves the receiver's used set at its expiry, so its late begin
+looks early).  At most :data:`MAX_EARLY` wait, each holding its ticket's bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator
+
+from kvswap.client.errors import ErrorCode
+from kvswap.client.ticket import Ticket, TicketRefused
+
+MAX_EARLY = 1024  # begins kept while their receive has not arrived yet
+
+Answer = Callable[[bytes, ErrorCode, str], None]  # (ident, code, message)
+
+
+class EarlyBegins:
+    """The begins waiting for their receive (the listener thread's; no lock)."""
+
+    def __init__(self, rank: int, timeout_s: float, answer: Answer):
+        self._rank = rank
+        self._timeout_s = timeout_s
+        self._answer = answer
+        self._waiting: dict[bytes, list[tuple[bytes, Any, float]]] = {}  # nonce -> begins
+
+    def park(self, ident: bytes, nonce: bytes, ticket: Any) -> None:
+        """Keep a begin until its receive is admitted, or refuse it now."""
+        try:
+            presented = Ticket.from_bytes(ticket)
+            if presented.nonce != nonce:
+                raise TicketRefused("the begin's nonce is not its ticket's")
+            presented.check_expiry()
+        except TicketRefused as exc:
+            self._answer(ident, exc.code, exc.message)
+            return
+        if sum(len(v) for v in self._waiting.values()) >= MAX_EARLY:
+            self._answer(ident, ErrorCode.TICKET_MISMATCH, f"rank {self._rank} has no receive "
+                         f"for this ticket and {MAX_EARLY} begins wait already")
+            return
+        self._waiting.setdefault(nonce, []).append(
+            (ident, ticket, time.monotonic() + self._timeout_s))
+
+    def deadlines(self) -> list[float]:
+        return [d for waiting in self._waiting.values() for _, _, d in waiting]
+
+    def due(self, admitted: Callable[[bytes], Any], now: float
+            ) -> Iterator[tuple[bytes, bytes, Any, Any]]:
+        """The begins whose receive is now admitted, as (ident, nonce, ticket, what
+        ``admitted(nonce)`` returned), for the caller to handle; those past their
+        deadline are refused."""
+        for nonce in list(self._waiting):
+            waiting = self._waiting.pop(nonce)
+            receive = admitted(nonce)
+            if receive is not None:
+                for ident, ticket, _ in waiting:
+                    yield ident, nonce, ticket, receive
+                continue
+            for ident, ticket, deadline in waiting:
+                if now >= deadline:
+                    self._answer(ident, ErrorCode.TICKET_MISMATCH,
+                                 f"rank {self._rank} has no receive for this ticket after "
+                                 f"{self._timeout_s:.1f}s (--peer-timeout)")
+                else:
+                    self._waiting.setdefault(nonce, []).append((ident, ticket, deadline))

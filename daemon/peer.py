@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -64,6 +65,9 @@ from kvswap.daemon.peer_windows import FenceLedger, OnUnsafe, PeerWindows
 
 log = logging.getLogger("kvswap.daemon.peer")
 
+
+
+_STOP_CHECK_S = 0.1  # how often a push waiting for an answer looks for a stop
 
 
 class PeerFailed(KvswapError):
@@ -182,6 +186,13 @@ class PeerSender:
         self._local = threading.local()
         self._sockets: list[zmq.Socket] = []  # every socket made, closed at close()
         self._lock = threading.Lock()
+        self._stopping = threading.Event()  # the daemon stops: stop waiting for answers
+
+    def stop(self) -> None:
+        """The daemon stops (any thread): a push waiting for the receiver's answer gives
+        up within :data:`_STOP_CHECK_S`, so the stop does not wait out --peer-timeout
+        (30 s by default, past --stop-timeout) to be killed."""
+        self._stopping.set()
 
     def push(self, rank: int, ticket: Ticket, raw_ticket: bytes, pool: PoolView,
              src_ids: np.ndarray) -> int:
@@ -236,11 +247,19 @@ class PeerSender:
     def _ask(self, endpoint: str, msg: dict) -> dict:
         sock = self._socket(endpoint)
         sock.send(packb(msg))
-        if not sock.poll(int(self._timeout_s * 1000)):
-            self._drop(endpoint)
-            raise PeerFailed(f"the receiver at {endpoint} did not answer {msg['k']} within "
-                             f"{self._timeout_s:.1f}s (--peer-timeout): it may have died; the "
-                             f"receive there fails", ErrorCode.TRANSFER_FAILED)
+        deadline = time.monotonic() + self._timeout_s
+        while not sock.poll(int(min(_STOP_CHECK_S, max(0.0, deadline - time.monotonic()))
+                                * 1000) + 1):
+            if self._stopping.is_set():
+                self._drop(endpoint)
+                raise PeerFailed(f"this rank is shutting down while waiting for the answer "
+                                 f"to {msg['k']}", ErrorCode.SHUTTING_DOWN)
+            if time.monotonic() >= deadline:
+                self._drop(endpoint)
+                raise PeerFailed(f"the receiver at {endpoint} did not answer {msg['k']} "
+                                 f"within {self._timeout_s:.1f}s (--peer-timeout): it may "
+                                 f"have died; the receive there fails",
+                                 ErrorCode.TRANSFER_FAILED)
         reply = msgpack.unpackb(sock.recv(), raw=False)
         code = ErrorCode(reply.get("code", ErrorCode.PROTOCOL_ERROR))
         if code != ErrorCode.OK:

@@ -161,8 +161,9 @@ class PeerOps:
 
     def stop(self) -> None:
         """The daemon stops: armed receives end SHUTTING_DOWN while the I/O loop still
-        answers them."""
+        answers them, and pushes stop waiting for their receivers."""
         if self._runtime is not None:
+            self._runtime.sender.stop()  # pushes waiting for an answer give up
             self._runtime.receiver.close()
 
     # ------------------------------------------------------------------ peer workers

@@ -747,6 +747,31 @@ def test_a_begin_parked_before_another_took_the_receive_is_answered():
         ctx.term()
 
 
+def test_a_daemon_whose_push_waits_for_an_answer_stops_cleanly(namespaces):
+    """A push waits up to --peer-timeout (30 s) for the receiver's answer to begin; a
+    stop could not interrupt it, so the staged stop (10 s) ended in SIGKILL.  The
+    push gives up at the stop, and the daemon exits 0 within a few seconds."""
+    pre = _launch(namespaces, 1, peer_timeout_s=30.0)
+    dec = _launch(namespaces, 1, peer_timeout_s=30.0)
+    a, b = _client(pre), _client(dec)
+    try:
+        a.evict([1], [1]).result(timeout=30)
+        _, holder = b.receive_into([3])
+        ticket, _ = b.receive_into([3])  # waits behind the holder: its begin is parked
+        sent = a.send_to(ticket, [1])
+        _wait_log(dec, 0, "a begin waits for its receive")
+        t0 = time.monotonic()
+        pre.stop()
+        assert time.monotonic() - t0 < 8, "the stop waited for the push"
+        assert pre.procs[0].returncode == 0, pre.procs[0].returncode
+        with pytest.raises(KvswapError):
+            sent.result(timeout=30)
+        holder.cancel().result(timeout=30)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_clear_ends_the_receives_no_sender_began(namespaces):
     """An armed receive holds its blocks until a sender comes or its ticket expires;
     a clear's drain waited for it and then failed the rank (RANK_TIMEOUT).  The clear

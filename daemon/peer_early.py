@@ -7,7 +7,9 @@ its receive is admitted, then handled like any begin, or refused once the sender
 has given up waiting for its answer (``--peer-timeout``).  A begin whose ticket
 cannot be used is refused at once: not a ticket, not this nonce's, or expired (a
 ticket's nonce leaves the receiver's used set at its expiry, so its late begin
-looks early).  At most :data:`MAX_EARLY` wait, each holding its ticket's bytes.
+looks early).  At most :data:`MAX_EARLY` wait, holding at most
+:data:`MAX_EARLY_BYTES` of tickets: an unauthenticated peer cannot make the
+daemon keep more.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kvswap.client.errors import ErrorCode
 from kvswap.client.ticket import Ticket, TicketRefused
 
 MAX_EARLY = 1024  # begins kept while their receive has not arrived yet
+MAX_EARLY_BYTES = 64 << 20  # their tickets' bytes (a ticket is KiBs; the listener takes 16 MiB)
 
 Answer = Callable[[bytes, ErrorCode, str], None]  # (ident, code, message)
 
@@ -31,6 +34,7 @@ class EarlyBegins:
         self._timeout_s = timeout_s
         self._answer = answer
         self._waiting: dict[bytes, list[tuple[bytes, Any, float]]] = {}  # nonce -> begins
+        self._bytes = 0  # of the tickets kept
 
     def park(self, ident: bytes, nonce: bytes, ticket: Any) -> None:
         """Keep a begin until its receive is admitted, or refuse it now."""
@@ -42,10 +46,13 @@ class EarlyBegins:
         except TicketRefused as exc:
             self._answer(ident, exc.code, exc.message)
             return
-        if sum(len(v) for v in self._waiting.values()) >= MAX_EARLY:
+        if (sum(len(v) for v in self._waiting.values()) >= MAX_EARLY
+                or self._bytes + len(ticket) > MAX_EARLY_BYTES):
             self._answer(ident, ErrorCode.TICKET_MISMATCH, f"rank {self._rank} has no receive "
-                         f"for this ticket and {MAX_EARLY} begins wait already")
+                         f"for this ticket, and {MAX_EARLY} begins or {MAX_EARLY_BYTES} bytes "
+                         f"of tickets wait already")
             return
+        self._bytes += len(ticket)
         self._waiting.setdefault(nonce, []).append(
             (ident, ticket, time.monotonic() + self._timeout_s))
 
@@ -59,6 +66,7 @@ class EarlyBegins:
         deadline are refused."""
         for nonce in list(self._waiting):
             waiting = self._waiting.pop(nonce)
+            self._bytes -= sum(len(ticket) for _, ticket, _ in waiting)
             receive = admitted(nonce)
             if receive is not None:
                 for ident, ticket, _ in waiting:
@@ -70,4 +78,5 @@ class EarlyBegins:
                                  f"rank {self._rank} has no receive for this ticket after "
                                  f"{self._timeout_s:.1f}s (--peer-timeout)")
                 else:
+                    self._bytes += len(ticket)
                     self._waiting.setdefault(nonce, []).append((ident, ticket, deadline))

@@ -127,3 +127,34 @@ def test_peer_host_defaults_to_the_tcp_host_else_loopback():
     assert DaemonConfig(**base, listen_tcp="tcp://10.1.2.3:7000").peer_address == "10.1.2.3"
     assert DaemonConfig(**base, listen_tcp="tcp://10.1.2.3:7000",
                         peer_host="192.168.0.9").peer_address == "192.168.0.9"
+
+
+def test_early_begins_are_capped_by_count_and_bytes_and_freed_when_handled(monkeypatch):
+    """Begins that reach a receiver before their receive are kept, each with its
+    ticket: an unauthenticated peer must not make the daemon keep more than the caps
+    (40 begins of 8 MiB tickets took 340 MB before).  A begin handled (its receive
+    admitted) gives its bytes back; one for an expired or foreign ticket is refused
+    without being kept."""
+    from kvswap.daemon import peer_early
+    from kvswap.daemon.peer_early import EarlyBegins
+
+    answers: list = []
+    early = EarlyBegins(0, 30.0, lambda ident, code, message: answers.append((ident, code,
+                                                                               message)))
+    tickets = [_ticket(ttl=60.0) for _ in range(3)]
+    raws = [t.to_bytes() for t in tickets]
+    monkeypatch.setattr(peer_early, "MAX_EARLY_BYTES", len(raws[0]) + len(raws[1]))
+    for i, (t, raw) in enumerate(zip(tickets, raws)):
+        early.park(b"id%d" % i, t.nonce, raw)
+    assert [(i, c) for i, c, _ in answers] == [(b"id2", ErrorCode.TICKET_MISMATCH)]
+    assert "bytes of tickets wait already" in answers[0][2]
+    handled = list(early.due(lambda nonce: "receive" if nonce == tickets[0].nonce else None,
+                             0.0))
+    assert handled == [(b"id0", tickets[0].nonce, raws[0], "receive")]
+    early.park(b"id2", tickets[2].nonce, raws[2])  # room again
+    assert len(answers) == 1 and len(early.deadlines()) == 2
+    expired = _ticket(ttl=-1.0)
+    early.park(b"old", expired.nonce, expired.to_bytes())
+    early.park(b"odd", tickets[0].nonce, raws[1])  # another receive's ticket
+    assert [(i, c) for i, c, _ in answers[1:]] == [(b"old", ErrorCode.TICKET_EXPIRED),
+                                                    (b"odd", ErrorCode.TICKET_MISMATCH)]

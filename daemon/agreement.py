@@ -9,6 +9,17 @@ same (task id, round); the result is the minimum.
 Nobody waits forever: a rank that times out, sees a participant FAILED or
 silent, or is cancelled marks its entry ABORTED before raising, and every rank
 waiting on that (task id, round) aborts as soon as it sees the mark.
+
+**Crossed tasks.**  A rank runs its agreed tasks one at a time, in the order it
+admitted them, and one client's tasks reach every rank in one order; two
+clients' tasks need not.  Rank 0 may then wait in task A's agreement for rank 1
+while rank 1 waits in task B's for rank 0, each with the other's task queued
+behind its own: neither moves until ``--storage-timeout``, and both fail.  A
+rank waiting in round 0 looks at the peers it waits for: one that posted for
+another task this rank has queued (``queued_here``) is in such a cycle, and the
+task with the larger id gives way (aborted on every rank, at once, naming the
+cause), so the other completes.  Each rank decides by the same two ids, so
+exactly one of a crossed pair gives way, and in a longer cycle the largest does.
 """
 
 from __future__ import annotations
@@ -91,8 +102,21 @@ class Agreement:
                     return value, AgreeState(state)
         return None
 
+    def _crossed(self, peer: int, task_id: int, queued_here: Callable[[int], bool]
+                 ) -> int | None:
+        """A smaller task id ``peer`` waits in while this rank has it queued (see
+        "Crossed tasks"), or None."""
+        table = self.seg.agree[peer]
+        for idx in range(AGREE_SLOTS):
+            other = int(table[idx, AgreeSlot.TASK_ID])
+            if (other and other < task_id and int(table[idx, AgreeSlot.STATE]) ==
+                    AgreeState.POSTED and queued_here(other)):
+                return other
+        return None
+
     def agree(self, task_id: int, rnd: int, value: int, timeout: float,
-              cancelled: Callable[[], bool] | None = None, last_round: int = 0) -> int:
+              cancelled: Callable[[], bool] | None = None, last_round: int = 0,
+              queued_here: Callable[[int], bool] | None = None) -> int:
         """Post ``value`` for round ``rnd`` of ``last_round`` and return the minimum over
         every rank's value.
 
@@ -100,7 +124,9 @@ class Agreement:
         or silent peer, a peer's abort, or a cancel) aborts this and all later rounds
         for everyone.  A cancel is honoured before posting any round and while
         waiting in any round but the last: once a rank has posted its last-round
-        value, a peer may already have completed, so the task completes here too."""
+        value, a peer may already have completed, so the task completes here too.
+        ``queued_here(id)``: is that agreed task admitted here and not yet run (round
+        0 gives way to a crossed task of a smaller id: "Crossed tasks" above)."""
         what = f"agreement on task {task_id} round {rnd}"
         if cancelled is not None and cancelled():
             idx = self._post(task_id, rnd, value, AgreeState.ABORTED)
@@ -134,6 +160,14 @@ class Agreement:
                 if self.seg.state_of(p) == RankState.FAILED or (
                         age is not None and age > self.stale_after_s):
                     return BarrierAborted(f"{what}: rank {p} is FAILED or silent")
+                other = (self._crossed(p, task_id, queued_here)
+                         if rnd == 0 < last_round and queued_here is not None else None)
+                if other is not None:
+                    return BarrierAborted(
+                        f"{what}: rank {p} waits in the agreement of task {other}, which "
+                        f"this rank runs after this one (two clients' prefetches reached "
+                        f"the ranks in opposite orders); the larger task id gives way: "
+                        f"prefetch again, or send prefetches from one client")
             return None
 
         def timed_out() -> BarrierTimeout:

@@ -18,6 +18,7 @@ import numpy as np
 
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError
 from kvswap.client.protocol import (
+    OPS,
     Op,
     PrefetchOptions,
     PrefetchPolicy,
@@ -32,7 +33,7 @@ from kvswap.daemon.exactly_once import ExactlyOnce
 from kvswap.daemon.jobs import Completion, Job
 from kvswap.daemon.journal import JOURNALED_OPS
 from kvswap.daemon.rank import RankContext
-from kvswap.daemon.scheduler import Task
+from kvswap.daemon.scheduler import Task, TaskState
 from kvswap.daemon.storage.mooncake_buffers import address
 from kvswap.daemon.storage_entries import EntryPart
 from kvswap.daemon.storage import (
@@ -53,6 +54,7 @@ log = logging.getLogger("kvswap.daemon")
 
 Part = tuple[EntryPart, bytes, list[str]]  # a part, its fingerprint, the names of the keys
 _MAX_CHUNK = 64  # blocks read per round trip under a deadline policy
+_NOT_STARTED = frozenset({TaskState.WAITING, TaskState.READY})
 # Bytes read per round trip under wait_complete.  A store's batch call ends with a
 # tail where its last transfers run alone: Mooncake over TCP read 128 entries of
 # 256 KiB in 27.7 ms as one call, 38.3 ms as four, 50.2 ms as eight (the
@@ -250,7 +252,13 @@ class StorageService:
             rank.agreement.abort(task_id, last_round=1)  # the peers stop waiting for this rank
             raise
         timeout = rank.cfg.storage_timeout_s
-        agreed = rank.agreement.agree(task_id, 0, verified, timeout, cancelled, last_round=1)
+
+        def queued_here(other: int) -> bool:  # an agreed task admitted, not yet run
+            return att.scheduler.find(lambda t: t.ctx.req_id == other and OPS[t.op].agreed
+                                      and t.state in _NOT_STARTED) is not None
+
+        agreed = rank.agreement.agree(task_id, 0, verified, timeout, cancelled, last_round=1,
+                                      queued_here=queued_here)
         if agreed < opts.min_blocks:
             agreed = 0
         final = rank.agreement.agree(task_id, 1, agreed, timeout, cancelled, last_round=1)

@@ -446,3 +446,59 @@ def test_the_daemon_refuses_bad_policy_fields_from_a_raw_peer(namespaces, tmp_pa
         assert int(launcher.seg.ranks[0, RankSlot.INFLIGHT]) == 0
     finally:
         peer.close()
+
+
+def test_prefetches_that_reached_the_ranks_in_opposite_orders_do_not_stall(namespaces,
+                                                                           tmp_path):
+    """Two clients' prefetches A and B reach rank 0 as A, B and rank 1 as B, A (sent
+    here rank by rank from raw sockets, each after the other rank is waiting in its
+    agreement).  Each rank's storage worker waited in one agreement for the other
+    until --storage-timeout and both failed.  The larger task id gives way at once
+    (BARRIER_ABORTED naming the cause) and the other completes."""
+    from kvswap.client.errors import ErrorCode as Code
+    from kvswap.client.protocol import Op, as_keys, decode_reply, storage_message
+    from kvswap.client.signals import AgreeSlot, AgreeState
+
+    launcher = namespaces.launch(tp=TP, demo_caches=LAYOUT, host_blocks=HOST,
+                                 storage_url=f"file://{tmp_path}/store", storage_timeout_s=20.0)
+    seg = launcher.seg
+    client = _client(launcher)
+    peers = [RawPeer(launcher.names.endpoint(r)) for r in range(TP)]
+    try:
+        key_a, key_b = _keys(4, salt=1), _keys(4, salt=2)
+        client.evict([0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7]).result()
+        assert client.backup([0, 1, 2, 3], key_a).result().count == 4
+        assert client.backup([4, 5, 6, 7], key_b).result().count == 4
+        epochs = [int(seg.ranks[r, RankSlot.EPOCH]) for r in range(TP)]
+        a_id, b_id = 7_000_001, 7_000_000  # A's id is the larger: A gives way
+        a = storage_message(Op.PREFETCH, a_id, np.array([10, 11, 12, 13]), as_keys(key_a))
+        b = storage_message(Op.PREFETCH, b_id, np.array([14, 15, 16, 17]), as_keys(key_b))
+
+        def waits_in(rank: int, task_id: int) -> bool | None:
+            table = seg.agree[rank]
+            return True if any(int(table[i, AgreeSlot.TASK_ID]) == task_id
+                               and int(table[i, AgreeSlot.STATE]) == AgreeState.POSTED
+                               for i in range(table.shape[0])) else None
+
+        t0 = time.monotonic()
+        peers[0].sock.send_multipart(a.frames(epochs=epochs))
+        peers[1].sock.send_multipart(b.frames(epochs=epochs))
+        assert poll_until(lambda: waits_in(0, a_id), time.monotonic() + 20)
+        assert poll_until(lambda: waits_in(1, b_id), time.monotonic() + 20)
+        peers[0].sock.send_multipart(b.frames(epochs=epochs))  # queued behind A on rank 0
+        peers[1].sock.send_multipart(a.frames(epochs=epochs))  # and behind B on rank 1
+        replies: dict[tuple[int, int], object] = {}
+        for r, peer in enumerate(peers):
+            for _ in range(2):
+                assert peer.sock.poll(30_000), f"rank {r} did not answer both prefetches"
+                reply = decode_reply(peer.sock.recv_multipart()[0])
+                replies[r, reply.id] = reply
+        assert time.monotonic() - t0 < 10, "a rank waited out --storage-timeout"
+        for r in range(TP):
+            assert replies[r, b_id].ok and replies[r, b_id].fields["count"] == 4, replies
+            assert replies[r, a_id].code == Code.BARRIER_ABORTED, replies[r, a_id]
+        assert "opposite orders" in replies[0, a_id].message, replies[0, a_id]
+    finally:
+        for peer in peers:
+            peer.close()
+        client.close()

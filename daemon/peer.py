@@ -47,7 +47,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import msgpack
 import numpy as np
@@ -294,14 +294,14 @@ class PeerRuntime:
     """Everything ``--peer-transfer`` adds to one rank daemon."""
 
     def __init__(self, rank: int, host: str, protocol: str, timeout_s: float, secret: bytes,
-                 on_end: OnEnd, on_unsafe: OnUnsafe):
+                 on_end: OnEnd, on_unsafe: OnUnsafe, on_stale: Callable[[bytes], None]):
         self.engine = PeerEngine(host, protocol)
         self._protocol = protocol
         self._fences = FenceLedger()  # outlives each pool's windows: the scratch does
         self._on_unsafe = on_unsafe
         self._ctx = zmq.Context(1)
         self.receiver = PeerReceiver(self._ctx, host, rank, secret, timeout_s, on_end,
-                                     on_unsafe)
+                                     on_unsafe, on_stale)
         self.sender = PeerSender(self._ctx, self.engine, timeout_s)
         self.pool: PoolView | None = None
         log.info("peer transfer over %s: Transfer Engine %s, completions on %s", protocol,

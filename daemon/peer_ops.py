@@ -71,7 +71,7 @@ class PeerOps:
         self._work: dict[Task, _Recv | _Send] = {}
         self._runtime = (PeerRuntime(rank.index, cfg.peer_address, cfg.peer_transfer,
                                      cfg.peer_timeout_s, self._secret, self._on_end,
-                                     self._on_unsafe)
+                                     self._on_unsafe, self._on_stale)
                          if cfg.peer_transfer else None)
 
     # ------------------------------------------------------------------ control thread
@@ -221,6 +221,24 @@ class PeerOps:
         windows cannot fence off a stalled sender, or the receiver thread died.
         FAILED, so the supervisor restarts the rank; the process's end ends it all."""
         self._rank.sm.fail(ErrorCode.INTERNAL_ERROR, why)
+
+    def _on_stale(self, nonce: bytes) -> None:
+        """A receive still waiting for earlier tasks on its blocks outlived its ticket
+        (receiver thread): drop its queued task, answered TICKET_EXPIRED now.  One that
+        started meanwhile is armed and expires as such."""
+        att = self._slot.current
+        with self._lock:
+            task = next((t for t, w in self._work.items()
+                         if isinstance(w, _Recv) and w.nonce == nonce), None)
+        if att is None or task is None or att.scheduler.cancel(lambda t: t is task) is None:
+            return
+        with self._lock:
+            self._work.pop(task, None)
+        assert self._runtime is not None  # receives exist only with a runtime
+        self._runtime.receiver.forget(nonce)
+        self._exactly.settle(Completion.now(
+            task.ctx, ErrorCode.TICKET_EXPIRED, "the ticket expired while the receive waited "
+            "for earlier tasks on its blocks", time.perf_counter_ns()))
 
     def _enabled(self) -> PeerRuntime:
         if self._runtime is None:

@@ -8,7 +8,8 @@ whole exchange).  Its own thread owns the ROUTER; the other threads change the
 table of receives under a lock and wake it through an inproc PAIR.
 
 A receive ends exactly once, through ``on_end``: OK after ``done``;
-TICKET_EXPIRED when its ticket expires before a sender began; TRANSFER_FAILED
+TICKET_EXPIRED when its ticket expires before a sender began (one still waiting
+for earlier tasks on its blocks: its queued task is dropped); TRANSFER_FAILED
 when a sender that began goes silent for ``--peer-timeout`` or aborts; CANCELLED
 on ``cancel`` before a sender began; CLEARED when a clear begins before a sender
 began; SHUTTING_DOWN when the daemon stops.  Should the listener thread die, the
@@ -28,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import zmq
@@ -38,7 +39,7 @@ from kvswap.client.protocol import packb
 from kvswap.client.ticket import NONCE_BYTES, Ticket, TicketRefused
 from kvswap.daemon import crashpoints
 from kvswap.daemon.peer_early import EarlyBegins
-from kvswap.daemon.peer_table import TAKEN, OnEnd, Pending, RecvState, due_now
+from kvswap.daemon.peer_table import TAKEN, OnEnd, Pending, RecvState, deadline_of, due_now
 from kvswap.daemon.peer_windows import FENCED_SINCE, OnUnsafe, PeerWindows, Window, fences
 
 log = logging.getLogger("kvswap.daemon.peer")
@@ -47,12 +48,14 @@ class PeerReceiver:
     """The receives armed on this rank and their completion listener (own thread)."""
 
     def __init__(self, ctx: zmq.Context, host: str, rank: int, secret: bytes,
-                 timeout_s: float, on_end: OnEnd, on_dead: OnUnsafe):
+                 timeout_s: float, on_end: OnEnd, on_dead: OnUnsafe,
+                 on_stale: Callable[[bytes], None]):
         self.rank = rank
         self._secret = secret
         self._timeout_s = timeout_s
         self._on_end = on_end
         self._on_dead = on_dead  # the listener thread died: the rank must fail
+        self._on_stale = on_stale  # a waiting receive's ticket expired: drop its task
         self._clearing = ""  # set by end_armed (a clear): receives armed now end at once
         self._lock = threading.Lock()
         self._pending: dict[bytes, Pending] = {}
@@ -193,9 +196,9 @@ class PeerReceiver:
             with self._lock:
                 if self._closing:
                     return
-                deadlines = [p.begun_deadline if p.state is RecvState.BEGUN else p.expires_at
-                             for p in self._pending.values() if p.state is not RecvState.WAITING]
-                deadlines += [d for p in self._pending.values() for _, d in p.parked]
+                now = time.monotonic()
+                deadlines = [d for p in self._pending.values()
+                             if (d := deadline_of(p, now)) is not None]
             deadlines += self._early.deadlines()
             wait = min(deadlines, default=time.monotonic() + 1.0) - time.monotonic()
             events = dict(poller.poll(max(0, int(wait * 1000)) + 1))
@@ -384,6 +387,8 @@ class PeerReceiver:
             due = due_now(self._pending, self._used, now, self._timeout_s, self.rank)
         self._end_armed(due.expired, ErrorCode.TICKET_EXPIRED,
                         "the ticket expired before a sender began")
+        for nonce in due.stale:
+            self._on_stale(nonce)
         for nonce, p in due.failed:
             self._end_begun(nonce, p, ErrorCode.TRANSFER_FAILED,
                             f"the sender began writing but was silent for "

@@ -53,6 +53,7 @@ class Due:
     """What the listener does now, outside the lock."""
 
     expired: list[bytes] = field(default_factory=list)  # ARMED past the ticket's expiry
+    stale: list[bytes] = field(default_factory=list)  # WAITING past it: drop the queued task
     failed: list[tuple[bytes, Pending]] = field(default_factory=list)  # BEGUN, silent: fence
     begun: list[tuple[bytes, bytes, Pending]] = field(default_factory=list)  # (ident, nonce, p)
     replies: list[tuple[bytes, ErrorCode, str]] = field(default_factory=list)  # to begins
@@ -64,7 +65,8 @@ def due_now(pending: dict[bytes, Pending], used: dict[bytes, float], now: float,
     their expiry; refuse parked begins past their deadline; hand an armed receive to
     the first parked begin still waiting (refusing the others); take silent begun
     receives out of the table as failed; name the armed receives whose ticket expired
-    (the caller ends them, as a cancel would)."""
+    (the caller ends them, as a cancel would), and the waiting ones (the caller drops
+    their queued task: TICKET_EXPIRED now, not when the blocks free up)."""
     due = Due()
     for nonce in [n for n, exp in used.items() if exp <= now]:
         del used[nonce]
@@ -86,4 +88,17 @@ def due_now(pending: dict[bytes, Pending], used: dict[bytes, float], now: float,
             due.failed.append((nonce, p))
         elif p.state is RecvState.ARMED and now >= p.expires_at:
             due.expired.append(nonce)
+        elif p.state is RecvState.WAITING and now >= p.expires_at:
+            due.stale.append(nonce)
     return due
+
+
+def deadline_of(p: Pending, now: float) -> float | None:
+    """When the listener must look at ``p`` next: a begun receive's silence, an armed
+    or waiting one's expiry (a waiting one past it: never again, its task is being
+    dropped), its parked begins' deadlines."""
+    if p.state is RecvState.BEGUN:
+        mine: float | None = p.begun_deadline
+    else:
+        mine = None if p.state is RecvState.WAITING and p.expires_at <= now else p.expires_at
+    return min([d for _, d in p.parked] + ([] if mine is None else [mine]), default=None)

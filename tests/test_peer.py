@@ -722,7 +722,7 @@ def test_a_begin_parked_before_another_took_the_receive_is_answered():
     ended: list = []
     ctx = zmq.Context()
     receiver = PeerReceiver(ctx, "127.0.0.1", 0, b"", 30.0, lambda *a: ended.append(a),
-                            on_dead=ended.append)
+                            on_dead=ended.append, on_stale=ended.append)
     ticket = Ticket.issue("ns", bytes(32), [3], [RankEndpoint("te", receiver.endpoint, (1,),
                                                              (4096,), 1)], 60.0, None)
     raw = ticket.to_bytes()
@@ -770,6 +770,29 @@ def test_a_daemon_whose_push_waits_for_an_answer_stops_cleanly(namespaces):
     finally:
         a.close()
         b.close()
+
+
+def test_a_receive_still_waiting_for_its_blocks_expires_with_its_ticket(namespaces):
+    """A receive queued behind another on its blocks kept its task queued past its
+    ticket's expiry: the engine got a RankTimeout naming no cause, ttl + task timeout
+    later.  It ends TICKET_EXPIRED at the expiry and leaves the queue, and the
+    receive ahead of it is untouched."""
+    dec = _launch(namespaces, 1)
+    with _client(dec) as client:
+        _, holder = client.receive_into([3], ttl_s=120.0)
+        _, waiting = client.receive_into([3], ttl_s=1.0)
+        t0 = time.monotonic()
+        with pytest.raises(KvswapError) as exc:
+            waiting.result(timeout=30)
+        assert exc.value.code == ErrorCode.TICKET_EXPIRED, exc.value
+        assert "waited for earlier tasks" in str(exc.value)
+        assert time.monotonic() - t0 < 10
+        assert not holder.done()
+        holder.cancel().result(timeout=30)
+        with pytest.raises(TransferFailed) as exc:
+            holder.result(timeout=30)
+        assert exc.value.code == ErrorCode.CANCELLED
+        client.evict([1], [3]).result(timeout=30)  # nothing left holding block 3
 
 
 def test_a_clear_ends_the_receives_no_sender_began(namespaces):

@@ -343,7 +343,8 @@ class LaunchConfig(DaemonOptions):
              "messages (kvswapd --listen-tcp; needs --secret-file)")
     log_dir: str | None = option(
         None, flag="--log-dir", metavar="DIR", default_text="the run dir, removed at teardown",
-        help="where the per-rank logs rank<r>.log go")
+        help="where the per-rank logs rank<r>.log go (linked from the run dir, whose "
+             "paths clients name in their errors)")
     ready_timeout_s: float = option(
         600.0, flag="--ready-timeout", parse=float, check=seconds,
         help="seconds to wait for every rank to be READY")

@@ -12,6 +12,7 @@ import importlib
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -39,10 +40,13 @@ from kvswap.client.layout import TensorDesc, layout_hash
 from kvswap.daemon.storage import (
     BACKENDS,
     HEADER_BYTES,
+    MIN_SECONDS,
     CorruptEntry,
     StorageBackend,
+    check_url,
     open_backend,
     pack_entry,
+    parse_seconds,
     registered_schemes,
     unpack_entry,
 )
@@ -353,6 +357,86 @@ def test_bad_urls_are_refused(url, match):
     with pytest.raises(ValueError, match=match):
         open_backend(url)
     assert not Path("/tmp/kvs-never").exists()
+
+
+# URLs that passed check_url and could never work: each failed only once used (at
+# register, or on every call), or was quietly read as another URL.
+NEVER_WORK = [
+    # a NUL ends every C string and file name: "ValueError: embedded null byte" at register
+    ("file:///tmp/kvs-never/a%00b", "contains a NUL byte (%00)"),
+    ("/tmp/kvs-never/a\0b", "contains a NUL byte (%00)"),  # a bare path, quoted
+    ("redis://:pa%00ss@h:6379/0", "contains a NUL byte"),
+    # urllib drops fragments, tabs and newlines without a word
+    ("file:///tmp/kvs-never#b", "has a #fragment"),
+    ("redis://h:6379/0#x", "has a #fragment"),
+    ("file:///tmp/kvs-never/a\tb", "control character '\\t'"),
+    ("file:///", "the filesystem root cannot be the store"),
+    ("file:///tmp/..", "the filesystem root cannot be the store"),
+    ("/", "the filesystem root cannot be the store"),
+    # redis-py hands TLS options to a plain connection: a TypeError on every call
+    ("redis://h:6379/0?ssl_cert_reqs=required", "ssl_cert_reqs is a TLS option, and only "
+                                                "rediss:// connects with TLS"),
+    ("unix:///tmp/r.sock?ssl_ca_certs=/ca.pem&ssl_keyfile=/k",
+     "ssl_ca_certs, ssl_keyfile are TLS options"),
+    ("rediss://h:6379/0?ssl_cert_reqs=bogus", "want one of none, optional, required"),
+    ("redis://h:0/0", "port 0 is no server's port"),  # redis-py read it as 6379
+    ("redis://h:6379/99999999999", "database number from 0 to 2147483647"),
+    ("redis://h:6379/2147483648", "database number from 0 to 2147483647"),
+    ("unix:///tmp/r.sock?db=-1", "option db='-1': want a database number"),
+    ("redis://h:6379/3?db=4", "the database is given twice"),
+    ("redis://h:6379/0?ttl_s=99999999999999999999", "Redis refuses a longer expiry"),
+    ("redis://h:6379/0?timeout_s=1e-300", "option timeout_s='1e-300': want 0.001 to "
+                                          "31622400 seconds"),
+    ("redis://h:6379/0?timeout_s=0.0009", "a shorter timeout fails every call"),
+    ("redis://h:6379/0?connect_timeout_s=1e300", "a longer one overflows the waits"),
+]
+
+
+@pytest.mark.parametrize("url, match", NEVER_WORK)
+def test_urls_that_could_never_work_are_refused_by_check_url(url, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        check_url(url)
+    with pytest.raises(ValueError, match=re.escape(match)):
+        open_backend(url)
+    assert not Path("/tmp/kvs-never").exists()
+
+
+@pytest.mark.parametrize("url", ["file:///tmp/kvs-never/a%00b", "redis://h:0/0",
+                                 "redis://h/0?ssl_cert_reqs=required"])
+def test_launch_exits_2_naming_storage_for_a_url_that_could_never_work(url, capsys):
+    from kvswap.daemon import cli
+
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["launch", "--namespace", "ns", "--tp", "2", "--storage", url])
+    assert ei.value.code == 2
+    assert "argument --storage: storage URL" in capsys.readouterr().err
+
+
+def test_urls_at_the_edges_still_work(store_dir):
+    from kvswap.daemon.storage.redis import RedisBackend
+
+    assert open_backend(f"file://{store_dir}/a%23b%09c").root == f"{store_dir}/a#b\tc"
+    assert open_backend(f"{store_dir}/x#y").root == f"{store_dir}/x#y"  # a bare path
+    for url, where in [("redis://h:6379/2147483647?", "redis://h:6379 db 2147483647"),
+                       ("redis://h?db=5&", "redis://h db 5"),
+                       ("unix:///tmp/r.sock?db=7&", "unix:///tmp/r.sock db 7"),
+                       ("rediss://u:p@h:1/2?ssl_cert_reqs=none&ssl_ca_certs=/ca.pem&",
+                        "rediss://h:1 db 2")]:
+        check_url(url)
+        b = open_backend(url + "timeout_s=0.001")  # connects lazily
+        assert isinstance(b, RedisBackend) and (b.where, b.timeout_s) == (where, 0.001)
+        if url.startswith("rediss"):  # the TLS options reach redis-py
+            kwargs = b._pool.connection_kwargs
+            assert (kwargs["ssl_cert_reqs"], kwargs["ssl_ca_certs"]) == ("none", "/ca.pem")
+        b.close()
+
+
+def test_parse_seconds_bounds():
+    assert parse_seconds("0.001") == MIN_SECONDS == 0.001
+    assert parse_seconds("31622400") == 366 * 86400
+    for text in ("0.000999", "31622401", "nan", "-inf", "0", "x"):
+        with pytest.raises(ValueError, match="seconds"):
+            parse_seconds(text)
 
 
 def test_unknown_scheme_lists_the_registered_ones():

@@ -263,6 +263,12 @@ def test_bad_names_are_refused_before_anything_is_sent(backend):
     ("mooncake://h:1?local_hostname=", "option local_hostname=''"),
     ("mooncake://h:1?segmnet=1G", "unknown option 'segmnet'"),
     ("mooncake://h:1?timeout_s=1&timeout_s=2", "'timeout_s' given twice"),
+    # refused since they passed and could never work (port 0 quietly meant 50051)
+    ("mooncake://h:0", "port 0 is no master's port"),
+    ("mooncake://h:1?timeout_s=1e-300", "option timeout_s='1e-300': want 0.001 to"),
+    ("mooncake://h:1?connect_timeout_s=1e9", "option connect_timeout_s='1e9': want"),
+    ("mooncake://h:1#kv", "has a #fragment"),
+    ("mooncake://h:1?local_hostname=a%00b", "contains a NUL byte"),
 ])
 def test_bad_url_options_name_the_option(url, match):
     with pytest.raises(ValueError, match=match):

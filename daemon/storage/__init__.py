@@ -57,6 +57,7 @@ import xxhash
 
 from kvswap.client.block_keys import FINGERPRINT_BYTES
 from kvswap.client.errors import StorageError, StorageTimeout
+from kvswap.client.protocol import MAX_SECONDS
 from kvswap.daemon.options import parse_size
 
 if TYPE_CHECKING:
@@ -64,10 +65,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKENDS", "BackendEntry", "Buffer", "CorruptEntry", "ENTRY_MAGIC", "ENTRY_VERSION",
-    "HEADER_BYTES", "StorageBackend", "Stored", "StorageError", "StorageTimeout",
-    "as_byte_views", "check_names", "check_url", "open_backend", "pack_entry", "parse_bool",
-    "parse_count", "parse_seconds", "parse_size", "registered_schemes", "unpack_entry",
-    "url_options",
+    "HEADER_BYTES", "MIN_SECONDS", "StorageBackend", "Stored", "StorageError",
+    "StorageTimeout", "as_byte_views", "check_names", "check_url", "open_backend",
+    "pack_entry", "parse_bool", "parse_count", "parse_seconds", "parse_size",
+    "registered_schemes", "unpack_entry", "url_options",
 ]
 
 Buffer = Union[bytes, bytearray, memoryview, "np.ndarray"]
@@ -255,13 +256,20 @@ def parse_bool(text: str) -> bool:
     raise ValueError("want 1/0, true/false, yes/no or on/off")
 
 
+MIN_SECONDS = 0.001  # the shortest timeout a URL may give (see parse_seconds)
+
+
 def parse_seconds(text: str) -> float:
+    """A timeout, 1 ms to 366 days (``MAX_SECONDS``, every kvswap duration's bound): under
+    1 ms no answer comes in time (sockets wait in whole milliseconds), so every call
+    would time out; a far longer one overflows the waits it is given to."""
     try:
         value = float(text)
     except ValueError:
         raise ValueError("want a number of seconds") from None
-    if not 0 < value < float("inf"):
-        raise ValueError("want a positive, finite number of seconds")
+    if not MIN_SECONDS <= value <= MAX_SECONDS:  # also refuses nan
+        raise ValueError(f"want {MIN_SECONDS:g} to {MAX_SECONDS:.0f} seconds: a shorter "
+                         "timeout fails every call, a longer one overflows the waits")
     return value
 
 
@@ -352,6 +360,21 @@ def _backend_class(entry: BackendEntry, url: str) -> type:
     return getattr(module, entry.cls)
 
 
+def _check_characters(url: str) -> None:
+    """Refuse what urllib drops or passes on and no backend can use: a ``#fragment`` and
+    raw control characters (dropped), a NUL byte as ``%00`` (file names, host names and
+    the C++ clients' strings end at one: the path ``/a%00b`` failed only when opened)."""
+    if (bad := next((c for c in url if ord(c) < 0x20 or ord(c) == 0x7F), None)) is not None:
+        raise ValueError(f"storage URL {url!r} contains the control character {bad!r}: "
+                         f"percent-encode it (a tab as %09) if it belongs to a path")
+    if "%00" in url:
+        raise ValueError(f"storage URL {url!r} contains a NUL byte (%00), which no path, "
+                         "host, password or option can hold: remove it")
+    if "#" in url:
+        raise ValueError(f"storage URL {url!r} has a #fragment, which a store would drop: "
+                         "remove it, or write a '#' of the path or password as %23")
+
+
 def _resolve(url: str) -> tuple[BackendEntry, str]:
     """The registry entry a storage URL names, and the URL with a bare absolute path
     written as ``file://``; ValueError for a malformed URL or an unknown scheme."""
@@ -362,6 +385,7 @@ def _resolve(url: str) -> tuple[BackendEntry, str]:
         if not url.startswith("/"):
             raise ValueError(f"storage URL {url!r} is neither scheme://... nor an absolute path")
         scheme, url = "file", "file://" + urllib.parse.quote(url)
+    _check_characters(url)
     entry = _BY_SCHEME.get(scheme.lower())
     if entry is None:
         known = ", ".join(f"{s}://" for s in registered_schemes())

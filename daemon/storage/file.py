@@ -131,6 +131,12 @@ class FileBackend:
         path = urllib.parse.unquote(parts.path)
         if not path.startswith("/"):
             raise ValueError(f"storage URL {url!r}: the directory must be an absolute path")
+        if not os.path.normpath(path).strip("/"):
+            raise ValueError(f"storage URL {url!r}: the filesystem root cannot be the store: "
+                             "the backend makes its 256 shard directories (00 to ff) right "
+                             "in the store's directory, and with capacity_bytes deletes the "
+                             "oldest files in them; name a directory of its own, e.g. "
+                             "file:///var/cache/kvswap")
         opts = url_options(url, parts.query, {"capacity_bytes": parse_size, "fsync": parse_bool})
         return path, opts
 

@@ -79,14 +79,17 @@ class MooncakeSettings:
             raise ValueError(f"storage URL {url!r}: no master host (want "
                              "mooncake://MASTER_HOST:PORT?metadata=http://HOST:PORT/metadata)")
         try:
-            port = parts.port or DEFAULT_PORT
+            port = parts.port
         except ValueError as exc:
             raise ValueError(f"storage URL {url!r}: {exc}") from None
+        if port == 0:  # before, it quietly meant the default port
+            raise ValueError(f"storage URL {url!r}: port 0 is no master's port: give the "
+                             f"master's --port, or none for {DEFAULT_PORT}")
         if parts.path not in ("", "/") or parts.username or parts.password:
             raise ValueError(f"storage URL {url!r}: want mooncake://MASTER_HOST:PORT?options, "
                              "without a path or user")
         # each option is named as its field, and its parser returns the field's type
         opts = url_options(url, parts.query, _OPTIONS)
         metadata = f"http://{parts.hostname}:{DEFAULT_METADATA_PORT}/metadata"
-        return cls(master_host=parts.hostname, master_port=port,
+        return cls(master_host=parts.hostname, master_port=port or DEFAULT_PORT,
                    **{"metadata": metadata, **opts})  # type: ignore[arg-type]

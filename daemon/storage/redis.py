@@ -50,16 +50,53 @@ _BACKOFF_BASE_S = 0.05
 _BACKOFF_CAP_S = 1.0
 _SOCKET_READ_SIZE = 1 << 20  # fewer recv calls for multi-MB values than redis-py's 64 KiB
 
+MAX_DB = 2**31 - 1
+"""The highest database number: Redis numbers its databases with a C int (its
+``databases`` setting is at most 2147483647), so no higher one can ever be selected."""
+MAX_TTL_S = 10**15
+"""The longest ``ttl_s`` (31 million years): Redis refuses an expiry whose milliseconds
+since 1970 overflow a 64-bit integer (from about 9.2e15 s), failing every put."""
+CERT_REQS = ("none", "optional", "required")  # redis-py's names for ssl.VerifyMode
+
+
+def _parse_db(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) > MAX_DB:
+        raise ValueError(f"want a database number from 0 to {MAX_DB}: Redis numbers its "
+                         "databases with a 32-bit int, so no higher one can be selected")
+    return int(text)
+
+
+def _parse_ttl(text: str) -> int:
+    ttl = parse_count(text)
+    if ttl > MAX_TTL_S:
+        raise ValueError(f"want at most {MAX_TTL_S} seconds: Redis refuses a longer expiry, "
+                         "so every put would fail")
+    return ttl
+
+
+def _parse_cert_reqs(text: str) -> str:
+    if text not in CERT_REQS:
+        raise ValueError(f"want one of {', '.join(CERT_REQS)}")
+    return text
+
+
 # Our options: parsed and removed from the URL before redis-py sees it.
 _OPTIONS: dict[str, Callable[[str], float | int]] = {
     "timeout_s": parse_seconds,
     "connect_timeout_s": parse_seconds,
     "retries": parse_count,
     "max_connections": parse_count,
-    "ttl_s": parse_count,
+    "ttl_s": _parse_ttl,
+    "db": _parse_db,
 }
-# redis-py's own options, passed through unchanged (TLS files for rediss://, the db of unix://).
-_PASSTHROUGH = ("db", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs")
+# redis-py's TLS options, checked here and handed to it for rediss:// (redis-py passes
+# them to a plain connection too, which then fails every call with a TypeError).
+_TLS: dict[str, Callable[[str], str]] = {
+    "ssl_ca_certs": str,
+    "ssl_certfile": str,
+    "ssl_keyfile": str,
+    "ssl_cert_reqs": _parse_cert_reqs,
+}
 
 T = TypeVar("T")
 
@@ -86,35 +123,54 @@ class RedisBackend:
         """``redis://[[user]:password@]host:port/db``, ``rediss://...`` (TLS) or
         ``unix:///path/redis.sock?db=N``, with the options of docs/storage.md."""
         parts = urllib.parse.urlsplit(url)
-        if parts.scheme in ("redis", "rediss") and not parts.hostname:
+        unix = parts.scheme == "unix"
+        if not unix and not parts.hostname:
             raise ValueError(f"storage URL {url!r}: no host (want redis://host:port/db)")
-        if parts.scheme == "unix" and not parts.path:
+        if unix and not parts.path:
             raise ValueError(f"storage URL {url!r}: no socket path (want unix:///path/sock)")
         try:
-            parts.port  # the property raises ValueError for a malformed port
+            port = parts.port  # the property raises ValueError for a malformed port
         except ValueError as exc:
             raise ValueError(f"storage URL {url!r}: {exc}") from None
-        if parts.scheme != "unix" and parts.path not in ("", "/") and \
-                not parts.path.lstrip("/").isdigit():
-            raise ValueError(f"storage URL {url!r}: the path must be a database number")
+        if port == 0 and not unix:
+            raise ValueError(f"storage URL {url!r}: port 0 is no server's port (redis-py "
+                             "would quietly use 6379): give the server's port, or none for "
+                             "6379")
         query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
-        ours = [(k, v) for k, v in query if k not in _PASSTHROUGH]
-        theirs = [(k, v) for k, v in query if k in _PASSTHROUGH]
-        opts = url_options(url, urllib.parse.urlencode(ours), _OPTIONS)
+        tls_keys = sorted({k for k, _ in query if k in _TLS})
+        if tls_keys and parts.scheme != "rediss":
+            raise ValueError(f"storage URL {url!r}: {', '.join(tls_keys)} "
+                             f"{'is a TLS option' if len(tls_keys) == 1 else 'are TLS options'}"
+                             f", and only rediss:// connects with TLS: write rediss://... to "
+                             f"use TLS, or drop the option")
+        opts = url_options(url, parts.query, {**_OPTIONS, **_TLS})
+        tls = {k: str(opts.pop(k)) for k in _TLS if k in opts}
+        if not unix and parts.path not in ("", "/"):
+            try:
+                path_db = _parse_db(parts.path.lstrip("/"))
+            except ValueError as exc:
+                raise ValueError(f"storage URL {url!r}: the path must be a database "
+                                 f"number: {exc}") from None
+            if "db" in opts:
+                raise ValueError(f"storage URL {url!r}: the database is given twice, as the "
+                                 f"path and as option db: give one")
+            opts["db"] = path_db
+        db = int(opts.get("db", 0))
         timeout_s = float(opts.get("timeout_s", 5.0))
-        # Not urlunsplit: it would drop the empty host of unix:///path.
-        rest = f"?{urllib.parse.urlencode(theirs)}" if theirs else ""
+        # Not urlunsplit: it would drop the empty host of unix:///path.  The db goes as
+        # a keyword (redis-py would take one in the URL over it).
+        rest = f"?{urllib.parse.urlencode(tls)}" if tls else ""
         pool = redis.ConnectionPool.from_url(
-            f"{parts.scheme}://{parts.netloc}{parts.path}{rest}",
+            f"{parts.scheme}://{parts.netloc}{parts.path if unix else ''}{rest}",
+            db=db,
             socket_timeout=timeout_s,
             socket_connect_timeout=float(opts.get("connect_timeout_s", timeout_s)),
-            **({} if parts.scheme == "unix" else {"socket_keepalive": True}),
+            **({} if unix else {"socket_keepalive": True}),
             socket_read_size=_SOCKET_READ_SIZE,
             retry=Retry(NoBackoff(), 0),
             max_connections=int(opts.get("max_connections", 0)) or None,
         )
-        host = parts.path if parts.scheme == "unix" else parts.netloc.rpartition("@")[2]
-        db = pool.connection_kwargs.get("db", 0)
+        host = parts.path if unix else parts.netloc.rpartition("@")[2]
         return cls(pool, f"{parts.scheme}://{host} db {db}", timeout_s=timeout_s,
                    retries=int(opts.get("retries", 3)), ttl_s=int(opts.get("ttl_s", 0)))
 

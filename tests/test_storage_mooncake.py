@@ -231,6 +231,66 @@ def test_a_call_stuck_on_a_frozen_master_does_not_hold_the_process_at_exit(maste
             proc.wait()
 
 
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_close_returns_within_the_timeout_with_the_master_killed_or_frozen(master, fault):
+    """close() waits at most timeout_s (1 s) for a master that is gone or does not answer.
+
+    The client's teardown holds the GIL while it waits for the master (1-18 s with
+    the master killed, 66-99 s frozen, measured): before, close() ran it, so a daemon
+    stopping after its master died needed 11 s and met the launcher's SIGKILL.  Now
+    the client is left to the process exit, which the child ends with os._exit, as
+    a process that must stop at once does (Mooncake's own exit handler would run the
+    teardown)."""
+    code = (f"import os, sys, time\n"
+            f"from kvswap.client.signals import poll_until\n"
+            f"from kvswap.daemon.storage import open_backend\n"
+            f"b = open_backend({master.url(segment='16M', buffer='4M', timeout_s=1)!r})\n"
+            f"assert b.put([('kvswap.a', [b'one'])]) == [True]\n"
+            f"print('ready', flush=True)\n"
+            f"sys.stdin.readline()\n"
+            f"if {fault == 'kill'}:  # until the client has seen it: its pings fail\n"
+            f"    assert poll_until(lambda: b._store.health_check() == 2 or None,\n"
+            f"                      time.monotonic() + 10, max_sleep=0.1)\n"
+            f"t0 = time.monotonic()\n"
+            f"b.close()\n"
+            f"print(f'{{time.monotonic() - t0:.3f}}', flush=True)\n"
+            f"print(b.left_to_exit, flush=True)\n"
+            f"os._exit(0)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline() == "ready\n"
+        if fault == "kill":
+            master.kill()
+        else:
+            master.freeze(True)
+        try:
+            out, _ = proc.communicate("go\n", timeout=40)
+        except subprocess.TimeoutExpired:
+            pytest.fail("close() did not return within 40 s")
+        took, why = (out.splitlines() + ["", ""])[:2]
+        assert float(took) < 1 + 1.5, out  # timeout_s, and a margin for a busy VM
+        assert why.startswith({"kill": "the client's health check failed",
+                               "freeze": "the master did not answer within 1 s"}[fault]), out
+        assert proc.returncode == 0
+    finally:
+        if master.running:
+            master.freeze(False)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_close_with_the_master_up_closes_the_client(backend):
+    """A master that answers gets the client's teardown (the segment leaves the store)."""
+    assert backend.put([("kvswap.t.r0.a", [b"one"])]) == [True]
+    backend.close()
+    assert backend.left_to_exit is None
+    with pytest.raises(StorageError, match="closed"):
+        backend.contains(["kvswap.t.r0.a"])
+
+
 def test_master_down_at_first_use_fails_within_the_connect_timeout(master):
     master.stop()
     b = open_backend(master.url(segment="0", connect_timeout_s=0.5))

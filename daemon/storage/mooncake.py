@@ -37,14 +37,11 @@ behind it or touching those buffers.  The client reconnects to a restarted
 master by itself (it pings the master every second and re-mounts its
 segment); a client whose first connection failed is set up again on the next
 call, after a quick TCP probe of the master so that a dead master costs
-``connect_timeout_s``, not the client's own retries (about 90 s).
+``connect_timeout_s``, not the client's own retries (about 90 s).  ``close``
+tears the client down only if the master answers (:meth:`MooncakeBackend.close`).
 
-**Where entries live.**  With ``segment`` > 0 each rank mounts that much of its
-own memory into the store, and entries placed there vanish when the daemon
-stops; for entries that outlive the daemons, run a standalone store client
-(``mooncake_client``) that mounts the memory, and give the ranks
-``segment=0``.  The master evicts the least recently used objects when the
-segments fill up (its ``--eviction_high_watermark_ratio``).
+**Where entries live.**  In the clients' segments: a rank's (``segment`` > 0) vanish
+when it stops, a standalone ``mooncake_client``'s outlive the daemons (docs/storage.md).
 """
 
 from __future__ import annotations
@@ -68,7 +65,7 @@ from kvswap.daemon.storage import (
     as_byte_views,
     check_names,
 )
-from kvswap.daemon.storage.mooncake_buffers import Bounce, Regions, address
+from kvswap.daemon.storage.mooncake_buffers import Bounce, Regions, address, keep_until_exit
 from kvswap.daemon.storage.mooncake_settings import MooncakeSettings
 
 log = logging.getLogger("kvswap.daemon.storage")
@@ -78,6 +75,7 @@ NO_ROOM = -200  # no segment can take the object: the store is full, or none is 
 RPC_FAIL = -900  # the master did not take the call (down, unreachable)
 OBJECT_NOT_FOUND = -704
 BUFFER_TOO_SMALL = -600  # batch_get_into: the object is larger than the buffer given
+TEARDOWN_S = 5.0  # close()'s wait past timeout_s for a teardown (0.8-2.9 s, master up)
 
 T = TypeVar("T")
 
@@ -132,6 +130,7 @@ class MooncakeBackend:
         self._dirty = False  # roles changed since the client last registered
         self.bounced_bytes = 0  # copied into the bounce area by puts (headers, stray parts)
         self._closed = False
+        self.left_to_exit: str | None = None  # why close() left the client open
 
     @classmethod
     def from_url(cls, url: str) -> "MooncakeBackend":
@@ -368,18 +367,54 @@ class MooncakeBackend:
         self._call(f"delete ({len(names)} names)", run)
 
     def close(self) -> None:
-        """Close the store client (its segment leaves the store) and the call thread.
-        Does not wait longer than ``timeout_s`` for a master that does not answer."""
+        """Close the store client and the call thread, waiting at most ``timeout_s`` for a
+        master that is gone or does not answer: the client's teardown holds the GIL while
+        the master makes it wait (1-18 s killed, 66-99 s frozen), so it runs only once
+        the master has answered, else the client is kept until the process exits
+        (:attr:`left_to_exit` says why; docs/storage.md section 7, "Closing")."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             store, stuck = self._store, self._stuck
             self._store = None
-        if store is not None and stuck is None:
-            future = self._calls.submit(store.close)
-            try:
-                future.result(self.settings.timeout_s)
-            except FutureTimeout:
-                pass  # the process is usually about to exit; the master expires the client
-        self._calls.stop()
+        try:
+            why = self._why_not_close(store, stuck)
+            if why is None and store is not None:
+                teardown = self._calls.submit(store.close)
+                wait = self.settings.timeout_s + TEARDOWN_S
+                try:
+                    teardown.result(wait)
+                except FutureTimeout:  # it cannot wake while the teardown holds the GIL
+                    if teardown.done():
+                        teardown.result()  # its error, if it failed
+                    else:  # the master went away after it answered
+                        why = f"its teardown had not ended after {wait:g} s"
+            if why is not None:
+                self.left_to_exit = why
+                log.warning("%s: client kept open until the process exits: %s", self.where, why)
+                keep_until_exit(self, store)  # self: the bounce area; a stuck setup's client
+        finally:
+            self._calls.stop()
+
+    def _why_not_close(self, store: MooncakeDistributedStore | None, stuck: Future | None
+                       ) -> str | None:
+        """Why the client's teardown would wait for the master; None if it answers now
+        (one killed under a second ago, or frozen, passes the client's health check)."""
+        if stuck is not None and not stuck.done():
+            return "an earlier call is still in the client, and may still use the buffers"
+        if store is None:
+            return None
+
+        def ask(client: MooncakeDistributedStore = store) -> str | None:
+            if client.health_check() != 0:  # 2: its pings (one a second) got no answer
+                return "the client's health check failed: master unreachable"
+            self._exist(client, ["kvswap.close-probe"])
+            return None
+
+        try:
+            return self._calls.submit(ask).result(self.settings.timeout_s)
+        except FutureTimeout:
+            return f"the master did not answer within {self.settings.timeout_s:g} s"
+        except StorageError as exc:
+            return str(exc)

@@ -1,9 +1,11 @@
 """Memory the Mooncake Store backend hands to the store: addresses of buffers, the
-registered regions by role, and the backend's own registered bounce area."""
+registered regions by role, the backend's own registered bounce area, and what is
+kept until the process exits because a client that may still use it was not closed."""
 
 from __future__ import annotations
 
 import bisect
+import ctypes
 
 import numpy as np
 
@@ -58,3 +60,18 @@ class Bounce:
             return False
         self.array = np.empty(max(nbytes, 2 * self.array.nbytes, 64 << 10), np.uint8)
         return True
+
+
+_KEPT: list[object] = []
+
+
+def keep_until_exit(*objects: object) -> None:
+    """Keep ``objects`` (a backend, its store client) alive until the process ends, even
+    while the interpreter finalizes (which empties module globals: hence the reference
+    leaked on purpose).  Their release would run the client's teardown wherever it
+    happened, holding the GIL as long as the master makes it wait, and free the bounce
+    area, which a call stuck in the client may still read.  Mooncake's own exit handler
+    tears the client down after the interpreter; ``os._exit`` skips that."""
+    kept = tuple(objects)
+    _KEPT.append(kept)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))

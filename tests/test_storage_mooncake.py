@@ -494,6 +494,24 @@ def test_master_killed_fails_storage_ops_within_the_timeout_and_swaps_go_on(mast
     assert c.prefetch(keys, [5, 6]).result().count == 2
 
 
+def test_a_daemon_whose_master_died_stops_within_the_staged_stop(master, nodes):
+    """With the master killed, close() leaves the store client open (its teardown
+    would wait on the master), and the library's own exit handler then held the
+    daemon's exit about 11 s past its clean stop: the launcher's 10 s staged stop
+    ended in SIGKILL.  The daemon ends with os._exit once its stop is done."""
+    node = nodes(_daemon_url(master), tp=1)
+    keys = _keys(2, salt=5)
+    node.client.evict([1, 2], [0, 1]).result()
+    assert node.client.backup([0, 1], keys).result().count == 2
+    master.kill()
+    node.client.close()
+    launcher = node.launcher
+    t0 = time.monotonic()
+    launcher.stop()
+    assert time.monotonic() - t0 < 8, "the daemon's exit waited on the dead master"
+    assert launcher.procs[0].returncode == 0, launcher.procs[0].returncode
+
+
 def test_frozen_master_times_out_a_prefetch_while_swaps_go_on(master, nodes):
     """A master that stops answering mid-run: the prefetch fails with STORAGE_TIMEOUT
     within the URL's timeout_s (3 s) on every rank, and swaps run meanwhile."""

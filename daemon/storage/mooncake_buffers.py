@@ -75,3 +75,9 @@ def keep_until_exit(*objects: object) -> None:
     kept = tuple(objects)
     _KEPT.append(kept)
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))
+
+
+def kept_until_exit() -> bool:
+    """Whether :func:`keep_until_exit` kept anything: the daemon then ends with
+    ``os._exit`` (daemon/main.py), past the library's exit handler."""
+    return bool(_KEPT)

@@ -201,6 +201,18 @@ def test_frozen_master_times_out_and_later_calls_fail_fast_until_it_answers(mast
     assert _until(lambda: backend.contains(["kvswap.t.r0.a"])) == [True]
 
 
+def _ready_child(code: str) -> subprocess.Popen:
+    """A Python child running ``code`` (text pipes), once it printed ``ready``."""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None and proc.stdin is not None
+    if proc.stdout.readline() != "ready\n":
+        proc.kill()
+        proc.wait()
+        pytest.fail("the child did not get ready")
+    return proc
+
+
 def test_a_call_stuck_on_a_frozen_master_does_not_hold_the_process_at_exit(master):
     """The stuck call's thread is a daemon thread: the process still exits."""
     code = (f"import sys\n"
@@ -214,11 +226,8 @@ def test_a_call_stuck_on_a_frozen_master_does_not_hold_the_process_at_exit(maste
             f"    b.contains(['kvswap.a'])\n"
             f"except StorageTimeout:\n"
             f"    print('timed out', flush=True)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = _ready_child(code)
     try:
-        assert proc.stdout is not None and proc.stdin is not None
-        assert proc.stdout.readline() == "ready\n"
         master.freeze(True)
         proc.stdin.write("go\n")
         proc.stdin.flush()
@@ -256,11 +265,8 @@ def test_close_returns_within_the_timeout_with_the_master_killed_or_frozen(maste
             f"print(f'{{time.monotonic() - t0:.3f}}', flush=True)\n"
             f"print(b.left_to_exit, flush=True)\n"
             f"os._exit(0)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = _ready_child(code)
     try:
-        assert proc.stdout is not None and proc.stdin is not None
-        assert proc.stdout.readline() == "ready\n"
         if fault == "kill":
             master.kill()
         else:

@@ -299,7 +299,7 @@ class Launcher:
             self._make_dir(self.names.run_dir, "--run-root", exist_ok=False)
             os.chmod(self.names.run_dir, 0o700)
             self._make_dir(self.log_dir, "--log-dir", exist_ok=True)
-            if self.log_dir != self.names.run_dir:
+            if not os.path.samefile(self.log_dir, self.names.run_dir):
                 # clients name <run dir>/rank<r>.log in their errors (they do not know
                 # --log-dir): a link there leads to the log
                 for r in range(self.cfg.tp):

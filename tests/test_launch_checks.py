@@ -568,6 +568,16 @@ def test_with_log_dir_the_log_a_client_names_leads_to_the_log(namespaces, tmp_pa
     assert Path(named) == launcher.names.log_path(0) and Path(named).is_symlink()
     assert Path(named).resolve() == (tmp_path / "logs" / "rank0.log").resolve()
     assert "READY" in Path(named).read_text()
+    # the run dir itself, spelled another way: the logs go there, no link to themselves
+    other = namespaces.new()
+    again = Launcher(LaunchConfig(namespace=other.namespace, tp=1, demo_caches=SMALL_LAYOUT,
+                                  host_blocks=8, run_root=namespaces.run_root,
+                                  log_dir=f"{other.run_dir}/../{other.namespace}"))
+    namespaces.launchers.append(again)
+    again.start()
+    again.wait_ready(timeout=30)
+    assert not again.names.log_path(0).is_symlink()
+    assert "READY" in again.names.log_path(0).read_text()
 
 
 def test_wait_ready_returns_when_the_engine_paused_before_it_looked(namespaces):

@@ -302,8 +302,9 @@ class Launcher:
             if not os.path.samefile(self.log_dir, self.names.run_dir):
                 # clients name <run dir>/rank<r>.log in their errors (they do not know
                 # --log-dir): a link there leads to the log
-                for r in range(self.cfg.tp):
-                    self.names.log_path(r).symlink_to(self.names.log_path(r, self.log_dir))
+                for r in range(self.cfg.tp):  # absolute: a relative --log-dir is the cwd's
+                    target = self.names.log_path(r, self.log_dir).absolute()
+                    self.names.log_path(r).symlink_to(target)
             for r in range(self.cfg.tp):
                 self.procs.append(self._spawn(r))
         except BaseException:

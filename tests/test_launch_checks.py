@@ -558,11 +558,12 @@ def test_a_run_root_or_log_dir_that_is_a_file_is_refused_naming_the_flag(namespa
     assert Names.of(names.namespace, kw["run_root"]).owned_shm() == []  # nothing left
 
 
-def test_with_log_dir_the_log_a_client_names_leads_to_the_log(namespaces, tmp_path):
+def test_with_log_dir_the_log_a_client_names_leads_to_the_log(namespaces, tmp_path,
+                                                              monkeypatch):
     """Clients name <run dir>/rank<r>.log in their errors: they do not know --log-dir,
     and with it that path did not exist.  The launcher links it to the real log."""
-    launcher = namespaces.launch(tp=1, demo_caches=SMALL_LAYOUT, host_blocks=8,
-                                 log_dir=str(tmp_path / "logs"))
+    monkeypatch.chdir(tmp_path)  # a relative --log-dir is the launcher's cwd's
+    launcher = namespaces.launch(tp=1, demo_caches=SMALL_LAYOUT, host_blocks=8, log_dir="logs")
     with TransferClient(launcher.names.namespace, 1, run_root=namespaces.run_root) as client:
         named = client._describe(0).rsplit("log ", 1)[1].rstrip(")")
     assert Path(named) == launcher.names.log_path(0) and Path(named).is_symlink()

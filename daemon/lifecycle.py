@@ -187,7 +187,10 @@ class Lifecycle:
                                   ErrorCode.RANK_TIMEOUT)
             crashpoints.hit("clear.drained")
             self._registrar.detach(free_host=free_host)
-            rank.sm.to(RankState.CLEARED)
+            if not rank.sm.to(RankState.CLEARED, only_from=frozenset({RankState.CLEARING})):
+                raise KvswapError(f"rank {rank.index} went {rank.sm.state.name} during the "
+                                  f"clear (see its log); a FAILED rank is restarted and comes "
+                                  f"back CLEARED", ErrorCode.INTERNAL_ERROR)
         barrier = Barrier(rank.seg, rank.index, stale_after_s=cfg.stale_after_s)
         try:
             barrier.wait(cfg.attach_timeout_s, what="clear barrier",

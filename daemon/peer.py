@@ -263,6 +263,9 @@ class PeerSender:
         reply = msgpack.unpackb(sock.recv(), raw=False)
         code = ErrorCode(reply.get("code", ErrorCode.PROTOCOL_ERROR))
         if code != ErrorCode.OK:
+            # a fresh socket for the next message: should the receiver answer this one
+            # twice, the second answer must not be read as the next message's
+            self._drop(endpoint)
             raise KvswapError(f"the receiver refused {msg['k']}: {reply.get('message', '')}",
                               code)
         return reply

@@ -60,20 +60,18 @@ class EarlyBegins:
         return [d for waiting in self._waiting.values() for _, _, d in waiting]
 
     def due(self, admitted: Callable[[bytes], Any], now: float
-            ) -> Iterator[tuple[bytes, bytes, Any, Any]]:
+            ) -> Iterator[tuple[bytes, bytes, Any, Any, float]]:
         """The begins whose receive is now admitted, as (ident, nonce, ticket, what
-        ``admitted(nonce)`` returned), for the caller to handle; those past their
-        deadline are refused."""
+        ``admitted(nonce)`` returned, deadline), for the caller to handle; those past
+        their deadline are refused, admitted or not (their sender has given up)."""
         for nonce in list(self._waiting):
             waiting = self._waiting.pop(nonce)
             self._bytes -= sum(len(ticket) for _, ticket, _ in waiting)
             receive = admitted(nonce)
-            if receive is not None:
-                for ident, ticket, _ in waiting:
-                    yield ident, nonce, ticket, receive
-                continue
             for ident, ticket, deadline in waiting:
-                if now >= deadline:
+                if receive is not None and now < deadline:
+                    yield ident, nonce, ticket, receive, deadline
+                elif now >= deadline:
                     self._answer(ident, ErrorCode.TICKET_MISMATCH,
                                  f"rank {self._rank} has no receive for this ticket after "
                                  f"{self._timeout_s:.1f}s (--peer-timeout)")

@@ -103,9 +103,12 @@ class PeerReceiver:
             if p is not None:
                 p.handle = handle
                 p.state = RecvState.ARMED
+                if clearing:  # ended before anyone can see it armed (a begin, the sweep)
+                    del self._pending[nonce]
+                    self._refused += [i for i, _ in p.parked]
+                    p.parked = []
         if p is not None and clearing:
-            self._end_armed([nonce], ErrorCode.CLEARED, clearing)
-            return
+            self._on_end(handle, ErrorCode.CLEARED, clearing, 0)
         self._wake()
 
     def forget(self, nonce: bytes) -> None:
@@ -114,6 +117,7 @@ class PeerReceiver:
             p = self._pending.pop(nonce, None)
             if p is not None:
                 self._refused += [i for i, _ in p.parked]
+                p.parked = []
         self._wake()  # the listener refuses the begins that waited for it
 
     def end_armed(self, why: str) -> None:
@@ -143,6 +147,7 @@ class PeerReceiver:
                 if p is not None and p.state is RecvState.ARMED:
                     del self._pending[nonce]
                     self._refused += [i for i, _ in p.parked]
+                    p.parked = []
                     ended.append(p)
         for p in ended:
             self._on_end(p.handle, code, why, 0)
@@ -155,6 +160,8 @@ class PeerReceiver:
         with self._lock:
             ended, self._pending = list(self._pending.values()), {}
             self._closing = True
+            for p in ended:
+                p.parked = []  # the listener stops: no sender waits for an answer from it
         for p in ended:
             if p.state is RecvState.BEGUN:
                 self._end_begun(None, p, ErrorCode.SHUTTING_DOWN,
@@ -338,7 +345,12 @@ class PeerReceiver:
         else:
             self._answer(ident, ErrorCode.PROTOCOL_ERROR, f"unknown peer message {kind!r}")
 
-    def _on_begin(self, ident: bytes, nonce: bytes, p: Pending, ticket: Any) -> None:
+    def _on_begin(self, ident: bytes, nonce: bytes, p: Pending, ticket: Any,
+                  deadline: float | None = None) -> None:
+        """A begin for receive ``p`` (looked up before this): refused, parked until the
+        receive arms (until ``deadline``, when its sender gives up; an early begin keeps
+        the one it arrived with) or taking it.  ``p`` may have left the table since (a
+        cancel, a clear): then it is refused, never parked where no sweep looks."""
         try:
             presented = Ticket.from_bytes(ticket)
             if self._secret:
@@ -351,10 +363,13 @@ class PeerReceiver:
             return
         orphans: list[tuple[bytes, float]] = []
         with self._lock:
-            if p.state is RecvState.BEGUN:
+            if self._pending.get(nonce) is not p:
+                refusal = "the receive ended (cancelled, cleared or expired) before this begin"
+            elif p.state is RecvState.BEGUN:
                 refusal = TAKEN
             elif p.state is RecvState.WAITING:
-                p.parked.append((ident, time.monotonic() + self._timeout_s))
+                p.parked.append((ident, time.monotonic() + self._timeout_s
+                                 if deadline is None else deadline))
                 log.info("rank %d: a begin waits for its receive (earlier tasks on its blocks "
                          "still run)", self.rank)
                 return
@@ -377,8 +392,8 @@ class PeerReceiver:
     def _sweep(self) -> None:
         """Answer parked begins whose receive is armed or gone; end expired receives."""
         now = time.monotonic()
-        for ident, nonce, ticket, p in self._early.due(self._admitted, now):
-            self._on_begin(ident, nonce, p, ticket)
+        for ident, nonce, ticket, p, deadline in self._early.due(self._admitted, now):
+            self._on_begin(ident, nonce, p, ticket, deadline)
         with self._lock:
             refused, self._refused = self._refused, []
         for ident in refused:

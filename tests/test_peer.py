@@ -780,7 +780,7 @@ def test_a_receive_still_waiting_for_its_blocks_expires_with_its_ticket(namespac
     dec = _launch(namespaces, 1)
     with _client(dec) as client:
         _, holder = client.receive_into([3], ttl_s=120.0)
-        _, waiting = client.receive_into([3], ttl_s=1.0)
+        _, waiting = client.receive_into([3], ttl_s=2.0)
         t0 = time.monotonic()
         with pytest.raises(KvswapError) as exc:
             waiting.result(timeout=30)
@@ -793,6 +793,61 @@ def test_a_receive_still_waiting_for_its_blocks_expires_with_its_ticket(namespac
             holder.result(timeout=30)
         assert exc.value.code == ErrorCode.CANCELLED
         client.evict([1], [3]).result(timeout=30)  # nothing left holding block 3
+
+
+@pytest.mark.parametrize("ended_by", ["cancel", "forget"])
+def test_a_begin_for_a_receive_that_ended_meanwhile_is_answered_once(ended_by):
+    """The listener looks a receive up, then handles the begin; a cancel (armed) or a
+    forget (a queued task dropped) may end the receive in between.  A begin parked
+    on the forgotten receive was never answered (its sender waited its whole
+    timeout), and a begin parked before the cancel was answered twice (the second
+    answer then read by that sender as the answer to its next message).  Each gets
+    one answer: the next one its socket reads answers its probe.  In process, the
+    end injected between the lookup and the begin."""
+    import zmq
+
+    from kvswap.daemon.peer_receiver import PeerReceiver
+
+    ctx = zmq.Context()
+    receiver = PeerReceiver(ctx, "127.0.0.1", 0, b"", 30.0, lambda *a: None,
+                            on_dead=print, on_stale=print)
+    ticket = Ticket.issue("ns", bytes(32), [3], [RankEndpoint("te", receiver.endpoint, (1,),
+                                                             (4096,), 1)], 60.0, None)
+    raw, nonce = ticket.to_bytes(), ticket.nonce
+    a, b = _RawSender(receiver.endpoint), _RawSender(receiver.endpoint)
+    real = receiver._on_begin
+
+    def end_first(*args, **kw):  # the end lands between the lookup and the begin
+        del receiver._on_begin
+        if ended_by == "cancel":
+            assert receiver.cancel(nonce)
+        else:
+            receiver.forget(nonce)
+        return real(*args, **kw)
+
+    try:
+        receiver.expect(nonce, raw, ticket.expires_ns, 4096, np.array([3]))
+        if ended_by == "cancel":  # A parked while waiting, then the receive armed
+            a.send(a.begin(raw))
+            assert poll_until(lambda: True if receiver._pending[nonce].parked else None,
+                              time.monotonic() + 10)
+            receiver._sweep = lambda: None  # B is read before a sweep hands it to A
+            receiver.arm(nonce, "handle")
+        receiver._on_begin = end_first
+        b.send(b.begin(raw))
+        refused = b.answer(timeout_s=10)
+        assert refused["code"] == ErrorCode.TICKET_MISMATCH and "ended" in refused["message"]
+        if ended_by == "cancel":
+            del receiver._sweep
+            assert a.answer(timeout_s=10)["code"] == ErrorCode.TICKET_MISMATCH
+        for s in (a, b):  # nothing more was sent to either: the next answer is the probe's
+            probe = s.ask({"k": "probe", "nonce": nonce, "rank": 1}, timeout_s=10)
+            assert "rank 1's push reached rank 0" in probe["message"], probe
+    finally:
+        receiver.close()
+        a.close()
+        b.close()
+        ctx.term()
 
 
 def test_a_clear_ends_the_receives_no_sender_began(namespaces):
@@ -812,11 +867,15 @@ def test_a_clear_ends_the_receives_no_sender_began(namespaces):
             assert exc.value.code == ErrorCode.CLEARED and "clearing" in str(exc.value)
         client.restore_caches().result(timeout=30)
         client.wait_ready(timeout=30)
-        _, again = client.receive_into([3])
-        again.cancel().result(timeout=30)  # armed as before the clear, not ended CLEARED
-        with pytest.raises(TransferFailed) as exc:
-            again.result(timeout=30)
-        assert exc.value.code == ErrorCode.CANCELLED, exc.value
+        raw, again = client.receive_into([3])  # arms as before the clear: a sender begins
+        sender = _RawSender(Ticket.from_bytes(raw).ranks[0].notify)
+        try:
+            assert sender.ask(sender.begin(raw))["code"] == 0
+            assert sender.ask({"k": "done", "nonce": Ticket.from_bytes(raw).nonce,
+                               "rank": 0})["code"] == 0
+        finally:
+            sender.close()
+        again.result(timeout=30)
 
 
 def test_a_sender_that_would_write_the_pool_itself_is_refused(namespaces, monkeypatch):

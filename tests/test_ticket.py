@@ -150,7 +150,7 @@ def test_early_begins_are_capped_by_count_and_bytes_and_freed_when_handled(monke
     assert "bytes of tickets wait already" in answers[0][2]
     handled = list(early.due(lambda nonce: "receive" if nonce == tickets[0].nonce else None,
                              0.0))
-    assert handled == [(b"id0", tickets[0].nonce, raws[0], "receive")]
+    assert [h[:4] for h in handled] == [(b"id0", tickets[0].nonce, raws[0], "receive")]
     early.park(b"id2", tickets[2].nonce, raws[2])  # room again
     assert len(answers) == 1 and len(early.deadlines()) == 2
     expired = _ticket(ttl=-1.0)
@@ -158,3 +158,17 @@ def test_early_begins_are_capped_by_count_and_bytes_and_freed_when_handled(monke
     early.park(b"odd", tickets[0].nonce, raws[1])  # another receive's ticket
     assert [(i, c) for i, c, _ in answers[1:]] == [(b"old", ErrorCode.TICKET_EXPIRED),
                                                     (b"odd", ErrorCode.TICKET_MISMATCH)]
+    # a begin keeps the deadline it arrived with, and past it is refused even when its
+    # receive is admitted (it used to be handed over with a fresh --peer-timeout)
+    monkeypatch.setattr(peer_early, "MAX_EARLY_BYTES", 1 << 20)
+    late = _ticket(ttl=60.0)
+    before = set(early.deadlines())
+    early.park(b"late", late.nonce, late.to_bytes())
+    (deadline,) = set(early.deadlines()) - before
+    handed = list(early.due(lambda nonce: "receive" if nonce == late.nonce else None,
+                            deadline - 1.0))
+    assert [(h[0], h[4]) for h in handed] == [(b"late", deadline)]
+    early.park(b"late", late.nonce, late.to_bytes())
+    (deadline,) = set(early.deadlines()) - before
+    assert list(early.due(lambda nonce: "receive", deadline)) == []  # its sender gave up
+    assert answers[-1][0] == b"late" and "after 30.0s" in answers[-1][2]

@@ -17,9 +17,11 @@ while rank 1 waits in task B's for rank 0, each with the other's task queued
 behind its own: neither moves until ``--storage-timeout``, and both fail.  A
 rank waiting in round 0 looks at the peers it waits for: one that posted for
 another task this rank has queued (``queued_here``) is in such a cycle, and the
-task with the larger id gives way (aborted on every rank, at once, naming the
-cause), so the other completes.  Each rank decides by the same two ids, so
-exactly one of a crossed pair gives way, and in a longer cycle the largest does.
+task with the larger id gives way (marked ABORTED, naming the cause; a peer
+that reaches it later fails it before reading, :meth:`Agreement.gave_up`), so
+the other completes.  Each rank decides by the same two ids, so exactly one of
+a crossed pair gives way; in a longer cycle every task that waits on a smaller
+one does, and the smallest completes.
 """
 
 from __future__ import annotations
@@ -102,21 +104,38 @@ class Agreement:
                     return value, AgreeState(state)
         return None
 
-    def _crossed(self, peer: int, task_id: int, queued_here: Callable[[int], bool]
-                 ) -> int | None:
-        """A smaller task id ``peer`` waits in while this rank has it queued (see
-        "Crossed tasks"), or None."""
-        table = self.seg.agree[peer]
-        for idx in range(AGREE_SLOTS):
-            other = int(table[idx, AgreeSlot.TASK_ID])
-            if (other and other < task_id and int(table[idx, AgreeSlot.STATE]) ==
-                    AgreeState.POSTED and queued_here(other)):
-                return other
+    def _crossed(self, peers: list[int], task_id: int,
+                 queued_here: Callable[[], set[int]]) -> tuple[int, int] | None:
+        """(peer, task) for a smaller task id a peer waits in, in round 0, while this rank
+        has it queued (see "Crossed tasks"), or None.  ``queued_here`` (a scan of the
+        rank's scheduler) runs once, and only when a peer posted such a candidate."""
+        candidates = []
+        for p in peers:
+            table = self.seg.agree[p]
+            for idx in range(AGREE_SLOTS):
+                other = int(table[idx, AgreeSlot.TASK_ID])
+                if (other and other < task_id and int(table[idx, AgreeSlot.ROUND]) == 0
+                        and int(table[idx, AgreeSlot.STATE]) == AgreeState.POSTED
+                        and int(table[idx, AgreeSlot.TASK_ID]) == other):  # not rewritten
+                    candidates.append((p, other))
+        if not candidates:
+            return None
+        queued = queued_here()
+        return next(((p, other) for p, other in candidates if other in queued), None)
+
+    def gave_up(self, task_id: int) -> int | None:
+        """A peer that marked ``task_id`` ABORTED already (it gave way, or its store
+        failed): checked before reading, so this rank fails at once instead of after
+        reading every entry."""
+        for p in range(self.seg.tp_size):
+            got = self._read(p, task_id, 0)
+            if p != self.rank and got is not None and got[1] is AgreeState.ABORTED:
+                return p
         return None
 
     def agree(self, task_id: int, rnd: int, value: int, timeout: float,
               cancelled: Callable[[], bool] | None = None, last_round: int = 0,
-              queued_here: Callable[[int], bool] | None = None) -> int:
+              queued_here: Callable[[], set[int]] | None = None) -> int:
         """Post ``value`` for round ``rnd`` of ``last_round`` and return the minimum over
         every rank's value.
 
@@ -125,8 +144,8 @@ class Agreement:
         for everyone.  A cancel is honoured before posting any round and while
         waiting in any round but the last: once a rank has posted its last-round
         value, a peer may already have completed, so the task completes here too.
-        ``queued_here(id)``: is that agreed task admitted here and not yet run (round
-        0 gives way to a crossed task of a smaller id: "Crossed tasks" above)."""
+        ``queued_here()``: the ids of the agreed tasks admitted here and not yet run
+        (round 0 gives way to a crossed task of a smaller id: "Crossed tasks" above)."""
         what = f"agreement on task {task_id} round {rnd}"
         if cancelled is not None and cancelled():
             idx = self._post(task_id, rnd, value, AgreeState.ABORTED)
@@ -160,14 +179,15 @@ class Agreement:
                 if self.seg.state_of(p) == RankState.FAILED or (
                         age is not None and age > self.stale_after_s):
                     return BarrierAborted(f"{what}: rank {p} is FAILED or silent")
-                other = (self._crossed(p, task_id, queued_here)
-                         if rnd == 0 < last_round and queued_here is not None else None)
-                if other is not None:
-                    return BarrierAborted(
-                        f"{what}: rank {p} waits in the agreement of task {other}, which "
-                        f"this rank runs after this one (two clients' prefetches reached "
-                        f"the ranks in opposite orders); the larger task id gives way: "
-                        f"prefetch again, or send prefetches from one client")
+            crossed = (self._crossed(missing, task_id, queued_here)
+                       if missing and rnd == 0 < last_round and queued_here is not None
+                       else None)
+            if crossed is not None:
+                return BarrierAborted(
+                    f"{what}: rank {crossed[0]} waits in the agreement of task {crossed[1]}, "
+                    f"which this rank runs after this one (two clients' prefetches reached "
+                    f"the ranks in opposite orders); the larger task id gives way: prefetch "
+                    f"again, or send prefetches from one client")
             return None
 
         def timed_out() -> BarrierTimeout:

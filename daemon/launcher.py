@@ -217,7 +217,8 @@ class Launcher:
         # cfg validated itself when it was built (kvswap.daemon.config).
         self.cfg = cfg
         self.names = Names.of(cfg.namespace, cfg.run_root)
-        self.log_dir = Path(cfg.log_dir) if cfg.log_dir else self.names.run_dir
+        # absolute: restarts reopen it, and an embedding process may change directory
+        self.log_dir = Path(cfg.log_dir).absolute() if cfg.log_dir else self.names.run_dir
         self.procs: list[subprocess.Popen] = []
         self.seg: SignalSegment | None = None
         self.supervisor: Supervisor | None = None
@@ -302,9 +303,8 @@ class Launcher:
             if not os.path.samefile(self.log_dir, self.names.run_dir):
                 # clients name <run dir>/rank<r>.log in their errors (they do not know
                 # --log-dir): a link there leads to the log
-                for r in range(self.cfg.tp):  # absolute: a relative --log-dir is the cwd's
-                    target = self.names.log_path(r, self.log_dir).absolute()
-                    self.names.log_path(r).symlink_to(target)
+                for r in range(self.cfg.tp):
+                    self.names.log_path(r).symlink_to(self.names.log_path(r, self.log_dir))
             for r in range(self.cfg.tp):
                 self.procs.append(self._spawn(r))
         except BaseException:

@@ -221,13 +221,8 @@ class Lifecycle:
         self._control.put(job)
 
     def restore(self, job: Job, req: Request | None) -> dict:
-        """CLEARED -> ATTACHING: the worker registers its (new) tensors next.  A
-        restore re-sent after a restart to a rank already ATTACHING (its predecessor
-        restored, or the namespace was attaching after a restore when it came back)
-        is done: the rank is where it would take it."""
+        """CLEARED -> ATTACHING: the worker registers its (new) tensors next."""
         sm = self._rank.sm
-        if sm.state is RankState.ATTACHING and Origin.of(job.header).resent:
-            return {}
         if not sm.to(RankState.ATTACHING, only_from=frozenset({RankState.CLEARED})):
             raise NotReady(f"rank {self._rank.index} is {sm.state.name}, not CLEARED")
         self._registrar.forget()

@@ -69,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     except (DaemonError, KvswapError) as exc:
         log.error("cannot start: %s", exc)
         return 2
+    except BaseException:
+        if not kept_until_exit():
+            raise
+        log.exception("the daemon ended on an error")  # its teardown ran: see above
+        status = 1
     if kept_until_exit():
         # A store client was left open (its master did not answer: docs/storage.md
         # section 7, "Closing").  Its library's exit handler would unmount it through

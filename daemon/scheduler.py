@@ -222,6 +222,11 @@ class Scheduler:
         with self._lock:
             return next((t for t in self._live.values() if match(t)), None)
 
+    def ids_of(self, match: Callable[[Task], bool]) -> set[int]:
+        """The request ids of the live tasks for which ``match`` holds."""
+        with self._lock:
+            return {t.ctx.req_id for t in self._live.values() if match(t)}
+
     def stop(self) -> list[Task]:
         """Stop taking work; return every task that has not started (now CANCELLED)
         so the caller can answer them.  Running batches finish; see :meth:`join`."""

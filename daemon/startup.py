@@ -110,6 +110,9 @@ class Startup:
                      "%s): back CLEARED, waiting for restore_caches()", rank.epoch,
                      rank.predecessor.name)
             rank.sm.to(RankState.CLEARED, only_from=frozenset({RankState.ATTACHING}))
+            # a predecessor that died in the clear before its detach left its register
+            # file; a later restart would re-attach the tensors of before the update
+            self._registrar.register_file.unlink(missing_ok=True)
             self._align_barrier(mode)
             return
         if mode is not None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError
+from kvswap.client.errors import BarrierAborted, ErrorCode, InvalidTask, KvswapError
 from kvswap.client.protocol import (
     OPS,
     Op,
@@ -243,6 +243,11 @@ class StorageService:
         def cancelled() -> bool:
             return task.cancel_requested or rank.stopping.is_set()
 
+        gave_up = rank.agreement.gave_up(task_id)
+        if gave_up is not None:  # it gave way to a crossed task, or its store failed
+            rank.agreement.abort(task_id, last_round=1)
+            raise BarrierAborted(f"agreement on task {task_id}: rank {gave_up} gave up before "
+                                 f"this rank began (see its reply)")
         deadline = (None if opts.timeout is None
                     else job.t_recv + int(opts.timeout * 1e9))  # perf_counter_ns
         stages = [self._staging(j, n, part.payload_bytes) for j, (part, _, _) in enumerate(parts)]
@@ -253,9 +258,9 @@ class StorageService:
             raise
         timeout = rank.cfg.storage_timeout_s
 
-        def queued_here(other: int) -> bool:  # an agreed task admitted, not yet run
-            return att.scheduler.find(lambda t: t.ctx.req_id == other and OPS[t.op].agreed
-                                      and t.state in _NOT_STARTED) is not None
+        def queued_here() -> set[int]:  # the agreed tasks admitted here, not yet run
+            return att.scheduler.ids_of(lambda t: OPS[t.op].agreed
+                                        and t.state in _NOT_STARTED)
 
         agreed = rank.agreement.agree(task_id, 0, verified, timeout, cancelled, last_round=1,
                                       queued_here=queued_here)

@@ -657,25 +657,36 @@ def test_a_clear_whose_rank_died_in_it_is_answered_once_every_rank_cleared(names
     assert launcher.supervisor.restarts == 1
 
 
-def test_a_restore_resent_to_an_attaching_rank_is_done(namespaces):
-    """A restore re-sent after a restart to a rank already ATTACHING (its predecessor
-    restored, or it came back into a namespace attaching after a restore) is answered
-    OK: the rank is where the restore takes it.  One that is not a re-send is refused
-    NOT_READY, as before, and neither changes the rank's state."""
-    from conftest import RawPeer
-    from kvswap.client.errors import ErrorCode
-    from kvswap.client.protocol import Op, encode_request
-
-    launcher = namespaces.launch(tp=1, demo_caches=None, wait=False, host_blocks=16)
-    wait_for_state(launcher, RankState.ATTACHING)
-    peer = RawPeer(launcher.names.endpoint(0))
+def test_a_rank_that_died_in_a_clear_leaves_no_register_file_behind(namespaces, monkeypatch):
+    """A rank SIGKILLed inside a clear, before its detach, left its register file (what
+    it re-attaches after a crash).  Its successor comes back CLEARED; had it kept the
+    file, a second crash after the restore would re-attach the tensors of before the
+    weight update.  The successor removes it; the workers register anew and serve."""
+    monkeypatch.setenv("KVSWAP_CRASH_AT", "clear.drained:1")
+    launcher = namespaces.launch(tp=2, demo_caches=None, host_blocks=HOST, wait=False,
+                                 supervision=SupervisorConfig(backoff_s=0.05))
+    monkeypatch.delenv("KVSWAP_CRASH_AT")
+    names = launcher.names
+    workers = [CacheWorker(names.namespace, r, run_root=str(names.run_root)) for r in range(2)]
     try:
-        assert peer.ask(encode_request(Op.RESTORE, 1, {"re": True})).ok
-        fresh = peer.ask(encode_request(Op.RESTORE, 2))
-        assert fresh.code == ErrorCode.NOT_READY and "not CLEARED" in fresh.message, fresh
+        arrays = [w.alloc_host_tensor("k0", (16, 64), "uint8") for w in workers]
+        _register_all(workers, arrays)
+        files = [names.run_dir / f"rank{r}.register" for r in range(2)]
+        assert all(f.exists() for f in files)
+        with Supervising(launcher) as sup:
+            with _client(launcher) as client:
+                client.clear_caches().result(60)
+            assert not any(f.exists() for f in files), [f for f in files if f.exists()]
+            with _bare_client(launcher) as client:
+                client.restore_caches().result(10)
+                _register_all(workers, arrays)
+                client.wait_ready(20)
+                client.evict([1], [1]).result(20)
+            assert sup.reasons == []
+        assert launcher.supervisor.restarts == 1
     finally:
-        peer.close()
-    assert launcher.seg.state_of(0) == RankState.ATTACHING
+        for w in workers:
+            w.close()
 
 
 def test_a_failed_rank_is_killed_and_restarted(namespaces, caplog):

@@ -128,8 +128,8 @@ class Agreement:
         failed): checked before reading, so this rank fails at once instead of after
         reading every entry."""
         for p in range(self.seg.tp_size):
-            got = self._read(p, task_id, 0)
-            if p != self.rank and got is not None and got[1] is AgreeState.ABORTED:
+            got = self._read(p, task_id, 0) if p != self.rank else None
+            if got is not None and got[1] is AgreeState.ABORTED:
                 return p
         return None
 

@@ -29,6 +29,7 @@ import numpy as np
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, NotReady
 from kvswap.client.layout import TensorDesc, layout_hash, validate_layout
 from kvswap.client.protocol import Request, packb
+from kvswap.client.shm_region import unlink_shm
 from kvswap.client.signals import RankSlot, RankState, poll_until
 from kvswap.daemon.backend import Backend
 from kvswap.daemon.io_loop import IoLoop
@@ -38,7 +39,7 @@ from kvswap.daemon.registration import Registration, layout_difference
 from kvswap.daemon.scheduler import RunBatch, Scheduler
 from kvswap.daemon.storage_entries import EntryLayout
 from kvswap.daemon.storage_service import StorageService
-from kvswap.daemon.swap_space import HostSwapSpace, unlink_pool
+from kvswap.daemon.swap_space import HostSwapSpace
 
 log = logging.getLogger("kvswap.daemon")
 
@@ -372,11 +373,10 @@ class Registrar:
 
     def free_pool(self) -> None:
         """Release the pool a clear left: kept here, or a dead predecessor's (control)."""
-        if self._kept_swap is not None:
-            self._kept_swap.close(unlink=True)
-            self._kept_swap = None
-        else:
-            unlink_pool(self._rank.names, self._rank.index)
+        swap, self._kept_swap = self._kept_swap, None
+        if swap is not None:
+            swap.close(unlink=False)
+        unlink_shm(self._rank.names.swap_segment(self._rank.index))  # kept, or left by it
         for slot in (RankSlot.SWAP_READY, RankSlot.SWAP_BYTES_TOTAL, RankSlot.SWAP_BYTES_PINNED):
             self._rank.sig[slot] = 0
 

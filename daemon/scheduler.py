@@ -57,6 +57,9 @@ class TaskState(enum.Enum):
     CANCELLED = "cancelled"
 
 
+NOT_STARTED = frozenset({TaskState.WAITING, TaskState.READY})  # may still be cancelled
+
+
 @dataclass(eq=False)
 class Task:
     seq: int
@@ -212,7 +215,7 @@ class Scheduler:
         """Cancel the first not-yet-started task for which ``match`` holds."""
         with self._lock:
             for task in self._live.values():
-                if task.state in (TaskState.WAITING, TaskState.READY) and match(task):
+                if task.state in NOT_STARTED and match(task):
                     task.state = TaskState.CANCELLED  # lazily dropped from its ready heap
                     self._release(task)
                     return task
@@ -233,7 +236,7 @@ class Scheduler:
         with self._lock:
             self._stopping = True
             dropped = [t for t in self._live.values()
-                       if t.state in (TaskState.WAITING, TaskState.READY)]
+                       if t.state in NOT_STARTED]
             for t in dropped:
                 t.state = TaskState.CANCELLED
                 del self._live[t.seq]

@@ -33,7 +33,7 @@ from kvswap.daemon.exactly_once import ExactlyOnce
 from kvswap.daemon.jobs import Completion, Job
 from kvswap.daemon.journal import JOURNALED_OPS
 from kvswap.daemon.rank import RankContext
-from kvswap.daemon.scheduler import Task, TaskState
+from kvswap.daemon.scheduler import NOT_STARTED, Task
 from kvswap.daemon.storage.mooncake_buffers import address
 from kvswap.daemon.storage_entries import EntryPart
 from kvswap.daemon.storage import (
@@ -54,7 +54,6 @@ log = logging.getLogger("kvswap.daemon")
 
 Part = tuple[EntryPart, bytes, list[str]]  # a part, its fingerprint, the names of the keys
 _MAX_CHUNK = 64  # blocks read per round trip under a deadline policy
-_NOT_STARTED = frozenset({TaskState.WAITING, TaskState.READY})
 # Bytes read per round trip under wait_complete.  A store's batch call ends with a
 # tail where its last transfers run alone: Mooncake over TCP read 128 entries of
 # 256 KiB in 27.7 ms as one call, 38.3 ms as four, 50.2 ms as eight (the
@@ -260,7 +259,7 @@ class StorageService:
 
         def queued_here() -> set[int]:  # the agreed tasks admitted here, not yet run
             return att.scheduler.ids_of(lambda t: OPS[t.op].agreed
-                                        and t.state in _NOT_STARTED)
+                                        and t.state in NOT_STARTED)
 
         agreed = rank.agreement.agree(task_id, 0, verified, timeout, cancelled, last_round=1,
                                       queued_here=queued_here)

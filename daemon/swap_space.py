@@ -290,11 +290,3 @@ class HostSwapSpace:
         if unlink:
             self.region.unlink()
         self.region.close()
-
-
-def unlink_pool(names: Names, rank: int) -> None:
-    """Unlink the rank's pool without mapping it (one a dead predecessor left), if any."""
-    try:
-        posix_ipc.unlink_shared_memory(names.swap_segment(rank))
-    except posix_ipc.ExistentialError:
-        pass

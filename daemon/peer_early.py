@@ -7,9 +7,10 @@ its receive is admitted, then handled like any begin, or refused once the sender
 has given up waiting for its answer (``--peer-timeout``).  A begin whose ticket
 cannot be used is refused at once: not a ticket, not this nonce's, or expired (a
 ticket's nonce leaves the receiver's used set at its expiry, so its late begin
-looks early).  At most :data:`MAX_EARLY` wait, holding at most
-:data:`MAX_EARLY_BYTES` of tickets: an unauthenticated peer cannot make the
-daemon keep more.
+looks early), or, in a namespace with a secret, not signed with it.  At most
+:data:`MAX_EARLY` wait, holding at most :data:`MAX_EARLY_BYTES` of tickets: a
+peer cannot make the daemon keep more, and where the namespace has a secret a
+peer without it cannot take those places from real senders.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ Answer = Callable[[bytes, ErrorCode, str], None]  # (ident, code, message)
 class EarlyBegins:
     """The begins waiting for their receive (the listener thread's; no lock)."""
 
-    def __init__(self, rank: int, timeout_s: float, answer: Answer):
+    def __init__(self, rank: int, timeout_s: float, secret: bytes, answer: Answer):
         self._rank = rank
+        self._secret = secret
         self._timeout_s = timeout_s
         self._answer = answer
         self._waiting: dict[bytes, list[tuple[bytes, Any, float]]] = {}  # nonce -> begins
@@ -42,6 +44,8 @@ class EarlyBegins:
             presented = Ticket.from_bytes(ticket)
             if presented.nonce != nonce:
                 raise TicketRefused("the begin's nonce is not its ticket's")
+            if self._secret:
+                presented.verify(self._secret)
             presented.check_expiry()
         except TicketRefused as exc:
             self._answer(ident, exc.code, exc.message)

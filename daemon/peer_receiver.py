@@ -60,7 +60,7 @@ class PeerReceiver:
         self._lock = threading.Lock()
         self._pending: dict[bytes, Pending] = {}
         self._used: dict[bytes, float] = {}  # nonce -> expiry (monotonic) of armed tickets
-        self._early = EarlyBegins(rank, timeout_s, self._answer)  # begins before receives
+        self._early = EarlyBegins(rank, timeout_s, secret, self._answer)  # begins before receives
         self._refused: list[bytes] = []  # parked begins whose receive ended before ARMED
         self.windows: PeerWindows | None = None  # set while a pool is attached
         self._fenced: dict[bytes, Window] = {}  # failed receives whose sender may still write

@@ -139,8 +139,8 @@ def test_early_begins_are_capped_by_count_and_bytes_and_freed_when_handled(monke
     from kvswap.daemon.peer_early import EarlyBegins
 
     answers: list = []
-    early = EarlyBegins(0, 30.0, lambda ident, code, message: answers.append((ident, code,
-                                                                               message)))
+    early = EarlyBegins(0, 30.0, b"", lambda ident, code, message: answers.append((ident, code,
+                                                                                   message)))
     tickets = [_ticket(ttl=60.0) for _ in range(3)]
     raws = [t.to_bytes() for t in tickets]
     monkeypatch.setattr(peer_early, "MAX_EARLY_BYTES", len(raws[0]) + len(raws[1]))
@@ -172,3 +172,21 @@ def test_early_begins_are_capped_by_count_and_bytes_and_freed_when_handled(monke
     (deadline,) = set(early.deadlines()) - before
     assert list(early.due(lambda nonce: "receive", deadline)) == []  # its sender gave up
     assert answers[-1][0] == b"late" and "after 30.0s" in answers[-1][2]
+
+
+def test_early_begins_of_a_namespace_with_a_secret_keep_only_tickets_signed_with_it():
+    """Where the namespace has a secret, a begin that overtook its receive is kept
+    only if its ticket carries that secret's MAC: a peer without the secret could
+    otherwise fill the places of real senders' early begins with forged tickets."""
+    from kvswap.daemon.peer_early import EarlyBegins
+
+    answers: list = []
+    early = EarlyBegins(0, 30.0, b"s" * 32, lambda ident, code, message: answers.append(
+        (ident, code, message)))
+    unsigned, forged = _ticket(ttl=60.0), _ticket(ttl=60.0).signed(b"x" * 32)
+    good = _ticket(ttl=60.0).signed(b"s" * 32)
+    for ident, t in ((b"unsigned", unsigned), (b"forged", forged), (b"good", good)):
+        early.park(ident, t.nonce, t.to_bytes())
+    assert [(i, c) for i, c, _ in answers] == [(b"unsigned", ErrorCode.AUTH_FAILED),
+                                               (b"forged", ErrorCode.AUTH_FAILED)]
+    assert len(early.deadlines()) == 1  # only the signed one waits

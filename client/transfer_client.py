@@ -1081,7 +1081,9 @@ class TransferClient:
         return self._control(Op.STATS)
 
     def shutdown(self) -> TransferFuture:
-        """Ask every daemon to stop (normally the launcher's job)."""
+        """Ask every daemon to stop (normally the launcher's job).  Under `kvswap launch`
+        this ends the namespace: a daemon stopped on request is not restarted, and the
+        launcher tears the namespace down (docs/operations.md section 7)."""
         return self._control(Op.SHUTDOWN)
 
     def pause(self) -> TransferFuture:

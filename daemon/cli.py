@@ -227,10 +227,10 @@ def cmd_launch(cfg: LaunchConfig) -> int:
         print(f"kvswap: namespace {cfg.namespace} READY on {cfg.tp} rank(s) "
               f"(kvswap status --namespace {cfg.namespace})", file=out, flush=True)
         while not stop.wait(0.2):
-            why = launcher.supervise_once()
-            if why:
-                print(f"kvswap: tearing down: {why}", file=err, flush=True)
-                status = 1
+            end = launcher.supervise_once()
+            if end is not None:
+                print(f"kvswap: tearing down: {end.why}", file=err, flush=True)
+                status = int(end.failed)
                 break
     except KvswapError as exc:
         if not stop.is_set():

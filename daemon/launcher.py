@@ -127,6 +127,15 @@ def daemons_left(names: Names, seg: SignalSegment) -> list[tuple[int, int]]:
     return left
 
 
+@dataclass(frozen=True)
+class Teardown:
+    """Why a supervised namespace ends: ``failed`` (a rank FATAL, the engine gone) or
+    not (a rank stopped on request), which is `kvswap launch`'s exit status 1 or 0."""
+
+    why: str
+    failed: bool
+
+
 class RankLog:
     """Reads a rank's log as it grows: :meth:`new_lines` returns the complete lines
     written since the last call (a log the daemon has not created yet reads as empty)."""
@@ -425,10 +434,10 @@ class Launcher:
         self.procs[rank] = proc
         return proc
 
-    def supervise_once(self) -> str | None:
+    def supervise_once(self) -> Teardown | None:
         """One supervision pass (call every ~200 ms once READY): restart dead or silent
         daemons with back-off.  Returns why the namespace must be torn down (a rank is
-        FATAL, or the engine stopped beating), else None."""
+        FATAL, the engine stopped beating, or a rank stopped on request), else None."""
         assert self.seg is not None
         if self.supervisor is None:
             self.supervisor = Supervisor(self.seg, self.procs, self._respawn,
@@ -436,14 +445,21 @@ class Launcher:
         self.supervisor.step()
         fatal = self.supervisor.fatal()
         if fatal:
-            return "; ".join(f"rank {rp.rank} is FATAL after {rp.retries} failed restarts "
-                             f"(log {self.names.log_path(rp.rank, self.log_dir)})"
-                             for rp in fatal)
+            return Teardown("; ".join(
+                f"rank {rp.rank} is FATAL after {rp.retries} failed restarts "
+                f"(log {self.names.log_path(rp.rank, self.log_dir)})" for rp in fatal), failed=True)
         beat = int(self.seg.header[HeaderSlot.ENGINE_HEARTBEAT_NS])
         if beat and self.cfg.engine_timeout_s > 0:
             age = (now_ns() - beat) / 1e9
             if age > self.cfg.engine_timeout_s:
-                return f"the engine stopped beating {age:.0f}s ago (its workers are gone)"
+                return Teardown(f"the engine stopped beating {age:.0f}s ago (its workers are "
+                                f"gone)", failed=True)
+        stopped = [rp.rank for rp in self.supervisor.stopped()]
+        if stopped:
+            return Teardown(f"rank(s) {', '.join(map(str, stopped))} stopped on request (a "
+                            f"client's shutdown(), or SIGTERM/SIGINT sent to the daemon) and "
+                            f"the namespace cannot serve without them; to restart a daemon, "
+                            f"kill it with SIGKILL instead", failed=False)
         return None
 
     # ------------------------------------------------------------------ stop

@@ -4,9 +4,19 @@ Each rank's process moves through these states (after supervisord's):
 
     STARTING --(rank publishes READY, PAUSED, CLEARING or CLEARED)--> RUNNING
     STARTING/RUNNING --(process exited, heartbeat stale, or FAILED)--> BACKOFF
+    STARTING/RUNNING --(exited after a stop it was asked for)--------> STOPPED
     BACKOFF --(delay elapsed, retries left)--------------------------> STARTING (respawn)
     BACKOFF --(retries exhausted)------------------------------------> FATAL
     RUNNING --(up for reset_after_s)-----------------------------------> (retry count reset)
+
+A daemon asked to stop (a client's ``shutdown``, SIGTERM or SIGINT sent to it) is
+not restarted: its clean stop unlinked the host pool and the journal, and a
+restart would undo what was asked.  The supervisor knows the stop was asked for
+when the process exits with status 0 (a daemon exits 0 only after a clean stop)
+or after the rank published STOPPING, whatever its status then; it leaves a rank
+that goes FAILED during its stop (STOPPING -> FAILED) to finish it.  A rank
+STOPPED leaves its namespace unable to serve, so the launcher then tears the
+namespace down (``Launcher.supervise_once``).
 
 A silent daemon (heartbeat older than ``stale_after_s`` while its process is
 still there: wedged, or SIGSTOPped) is killed with SIGKILL first, so there is
@@ -50,6 +60,7 @@ class ProcState(enum.Enum):
     RUNNING = "RUNNING"
     BACKOFF = "BACKOFF"
     FATAL = "FATAL"
+    STOPPED = "STOPPED"  # stopped on request, not restarted
 
 
 @dataclass
@@ -62,6 +73,7 @@ class RankProcess:
     since: float = 0.0  # when the current state began (monotonic)
     retry_at: float = 0.0
     served: bool = False  # a daemon of this rank has served (any incarnation): FAILED restarts
+    stopping: bool = False  # this process published STOPPING: its stop was asked for
 
 
 @dataclass
@@ -110,6 +122,9 @@ class Supervisor:
     def fatal(self) -> list[RankProcess]:
         return [rp for rp in self.ranks if rp.state is ProcState.FATAL]
 
+    def stopped(self) -> list[RankProcess]:
+        return [rp for rp in self.ranks if rp.state is ProcState.STOPPED]
+
     def _to(self, rp: RankProcess, state: ProcState, now: float) -> None:
         log.info("rank %d: %s -> %s", rp.rank, rp.state.value, state.value)
         rp.state, rp.since = state, now
@@ -139,21 +154,27 @@ class Supervisor:
         now = time.monotonic()
         for rp in self.ranks:
             if rp.state in (ProcState.STARTING, ProcState.RUNNING):
+                # The slot is this process's only once it published its pid (until
+                # then its heartbeat and state are the dead predecessor's).
+                own = int(self.seg.ranks[rp.rank, RankSlot.PID]) == rp.proc.pid
+                state = self.seg.state_of(rp.rank) if own else None
+                if state in (RankState.STOPPING, RankState.STOPPED):
+                    rp.stopping = True
                 rc = rp.proc.poll()
                 if rc is not None:
-                    self._failed(rp, now, f"exited with status {rc}")
+                    if rc == 0 or rp.stopping:
+                        log.warning("rank %d stopped on request (exit status %d): not "
+                                    "restarted", rp.rank, rc)
+                        self._to(rp, ProcState.STOPPED, now)
+                    else:
+                        self._failed(rp, now, f"exited with status {rc}")
                     continue
-                # The slot's heartbeat is this process's only once it published its pid
-                # (until then it is the dead predecessor's).
-                own = int(self.seg.ranks[rp.rank, RankSlot.PID]) == rp.proc.pid
                 age = self.seg.heartbeat_age_s(rp.rank) if own else None
-                stopping = self.seg.state_of(rp.rank) in (RankState.STOPPING, RankState.STOPPED)
-                if age is not None and age > self.cfg.stale_after_s and not stopping:
+                if age is not None and age > self.cfg.stale_after_s and not rp.stopping:
                     self._kill(rp, f"has not beaten for {age:.1f}s")
                     self._failed(rp, now, f"was silent for {age:.1f}s")
                     continue
-                state = self.seg.state_of(rp.rank) if own else None
-                if state is RankState.FAILED and rp.served:
+                if state is RankState.FAILED and rp.served and not rp.stopping:
                     code = int(self.seg.ranks[rp.rank, RankSlot.LAST_ERROR])
                     why = f"is FAILED [{code} {code_name(code)}] (see its log)"
                     self._kill(rp, why)
@@ -170,5 +191,6 @@ class Supervisor:
                 rp.retries += 1
                 rp.restarts += 1
                 rp.proc = self.spawn(rp.rank)
+                rp.stopping = False
                 self._to(rp, ProcState.STARTING, now)
 

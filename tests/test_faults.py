@@ -38,7 +38,7 @@ from kvswap.client.signals import (
 from kvswap.daemon.config import LaunchConfig
 from kvswap.daemon.demo import RankView, pattern
 from kvswap.daemon.launcher import Launcher, sweep_namespace
-from kvswap.daemon.supervisor import ProcState, SupervisorConfig
+from kvswap.daemon.supervisor import ProcState, Supervisor, SupervisorConfig
 
 from conftest import wait_for_namespace_state, wait_for_state
 
@@ -62,9 +62,9 @@ class Supervising:
 
     def _run(self):
         while not self.stop.wait(0.05):
-            why = self.launcher.supervise_once()
-            if why:
-                self.reasons.append(why)
+            end = self.launcher.supervise_once()
+            if end is not None:
+                self.reasons.append(end.why)
                 return
 
     def __enter__(self):
@@ -221,8 +221,8 @@ def test_rank_is_fatal_after_retry_limit(namespaces):
                                  supervision=SupervisorConfig(max_retries=0))
     os.kill(launcher.procs[0].pid, signal.SIGKILL)
     launcher.procs[0].wait(10)
-    why = launcher.supervise_once()
-    assert why and "rank 0 is FATAL" in why and "rank0.log" in why
+    end = launcher.supervise_once()
+    assert end.failed and "rank 0 is FATAL" in end.why and "rank0.log" in end.why
     assert launcher.supervisor.ranks[0].state is ProcState.FATAL
 
 
@@ -304,6 +304,97 @@ def _launch_ready(names: Names, tp: int, orphan_timeout: str) -> subprocess.Pope
             return launch
     launch.wait(10)
     pytest.fail("kvswap launch exited before READY")
+
+
+def test_a_client_shutdown_ends_the_supervised_namespace_without_a_restart(run_root, tmp_path):
+    """A client's ``shutdown()`` stops every daemon cleanly (pools and journals
+    unlinked).  The supervisor used to restart them as if they had crashed, with
+    empty pools, so the namespace never ended.  Now `kvswap launch` sees ranks that
+    stopped on request, tears the namespace down and exits 0, restarting nothing."""
+    names = Names.of(f"shut{os.getpid()}", run_root)
+    err_path = tmp_path / "launch.err"
+    with open(err_path, "w") as err:
+        launch = subprocess.Popen(
+            [sys.executable, "-m", "kvswap.daemon.cli", "launch", "--namespace", names.namespace,
+             "--run-root", run_root, "--tp", "2", "--demo-caches", LAYOUT, "--host-blocks", "8"],
+            stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        assert launch.stdout is not None
+        assert any("READY on" in line for line in launch.stdout)
+        client = TransferClient(names.namespace, 2, run_root=run_root)
+        try:
+            client.wait_ready(20)
+            assert all(r.ok for r in client.shutdown().result(20).replies.values())
+        finally:
+            client.close()
+        assert launch.wait(timeout=30) == 0
+        text = err_path.read_text()
+        assert "stopped on request" in text and "restarting" not in text
+        assert names.owned_shm() == [] and not names.run_dir.exists()
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+            launch.wait()
+        sweep_namespace(names)
+
+
+class _FakeSeg:
+    """The slots the supervisor reads, settable by a test."""
+
+    def __init__(self, pid: int):
+        self.ranks = np.zeros((1, max(RankSlot) + 1), dtype=np.int64)
+        self.ranks[0, RankSlot.PID] = pid
+        self.state = RankState.READY
+
+    def state_of(self, r: int) -> RankState:
+        return self.state
+
+    def heartbeat_age_s(self, r: int) -> float:
+        return 0.0
+
+
+class _FakeProc:
+    def __init__(self, pid: int):
+        self.pid, self.rc, self.killed = pid, None, False
+
+    def poll(self):
+        return self.rc
+
+    def kill(self):
+        self.killed, self.rc = True, -9
+
+    def wait(self, timeout=None):
+        return self.rc
+
+
+@pytest.mark.parametrize("case", ["failed_in_stop", "nonzero_after_stop", "failed", "crashed"])
+def test_a_rank_is_restarted_unless_its_stop_was_asked_for(case):
+    """A rank that published STOPPING is stopping because it was asked to: it may go
+    FAILED on the way (a fence at its cap, tasks that did not drain) or exit non-zero
+    (the drain timeout), and it is left to end and not restarted (it used to be killed
+    and respawned).  FAILED or an exit without a stop begun is a failure, restarted."""
+    proc = _FakeProc(4242)
+    seg = _FakeSeg(proc.pid)
+    spawned: list[int] = []
+    sup = Supervisor(seg, [proc], lambda r: spawned.append(r) or _FakeProc(4243),
+                     SupervisorConfig(backoff_s=0.0))
+    sup.step()
+    assert sup.ranks[0].state is ProcState.RUNNING
+    if case in ("failed_in_stop", "nonzero_after_stop"):
+        seg.state = RankState.STOPPING
+        sup.step()
+    if case in ("failed_in_stop", "failed"):
+        seg.state = RankState.FAILED
+        sup.step()
+        assert proc.killed is (case == "failed")
+    if not proc.killed:
+        proc.rc = 0 if case == "failed_in_stop" else 3
+    sup.step()
+    sup.step()
+    stopped = case in ("failed_in_stop", "nonzero_after_stop")
+    assert sup.ranks[0].state is (ProcState.STOPPED if stopped else ProcState.STARTING)
+    assert spawned == ([] if stopped else [0])
+    assert sup.stopped() == ([sup.ranks[0]] if stopped else [])
 
 
 def test_orphaned_daemons_exit_cleanly(run_root):

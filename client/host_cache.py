@@ -42,7 +42,13 @@ scheduler thread.  Hence:
 
 The alternative, applying the bookkeeping in the callback under a lock, would
 put a lock on every call of the hot path and let the index change between a
-``lookup`` and the ``prepare_load`` that trusts it.  :meth:`HostCache.poll`
+``lookup`` and the ``prepare_load`` that trusts it.  What each public call does
+take is a non-blocking try of a re-entrant lock (:func:`_one_thread`, 0.3 to
+0.6 us a call on the 2-vCPU development VM, where a call costs about 1 us per
+block): it never waits, and a call made while another thread is inside the
+cache is refused with a ``ValueError`` naming the misuse before it touches
+anything (two threads interleaving in the index handed one host block to
+several hashes and lost others, with no error naming the cause).  :meth:`HostCache.poll`
 drains explicitly, for a scheduler that waits for futures and wants the
 statistics updated without another call.
 
@@ -59,6 +65,7 @@ blocks are released: anything sent later into its blocks runs after it.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -78,7 +85,7 @@ from kvswap.client.protocol import (
     check_seconds,
     first_duplicate,
 )
-from kvswap.client.signals import RankSlot
+from kvswap.client.signals import HeaderSlot, RankSlot
 
 if TYPE_CHECKING:
     from kvswap.client.host_cache_stats import HostCacheStatsWriter
@@ -90,6 +97,35 @@ POLICIES: dict[str, Callable[[int], BlockIndex]] = {"lru": LruIndex, "arc": ArcI
 
 _STORE, _LOAD = 0, 1  # kinds of queued completions
 _NO_IDS = np.empty(0, dtype=np.int64)
+# The index keeps about 40 bytes of Python objects per block (its free list alone is
+# an int per block): 2**26 blocks is some 2.7 GB in the scheduler's process, and at
+# the usual hundreds of KiB per block a host tier of many TiB.
+MAX_BLOCKS = 1 << 26
+_AFTER_CLOSE = frozenset({"close", "stats", "take_events"})  # calls a closed cache serves
+
+
+def _one_thread(method: Callable) -> Callable:
+    """Refuse a call made while another thread is inside this cache, and any call
+    but :data:`_AFTER_CLOSE` once it is closed (before anything changes).  The lock
+    is re-entrant (a wired call runs public ones) and never waited for."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def guarded(self: "HostCache", *args: Any, **kwargs: Any) -> Any:
+        if not self._entry.acquire(False):
+            raise ValueError(f"HostCache.{name} called from thread "
+                             f"{threading.current_thread().name!r} while another thread is "
+                             f"inside this HostCache: it is not thread-safe; call it from one "
+                             f"thread (the scheduler's)")
+        try:
+            if self._closed and name not in _AFTER_CLOSE:
+                raise ValueError(f"HostCache.{name}: this HostCache is closed; create a new "
+                                 f"one (with persist=, it adopts the blocks this one left)")
+            return method(self, *args, **kwargs)
+        finally:
+            self._entry.release()
+
+    return guarded
 
 
 @dataclass(frozen=True)
@@ -240,12 +276,18 @@ class HostCache:
     def __init__(self, num_blocks: int, policy: str = "lru", *, events: bool = True,
                  persist: str | None = None, run_root: str | None = None):
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r:.60}")
+        if num_blocks > MAX_BLOCKS:
+            raise ValueError(f"num_blocks {num_blocks} is over {MAX_BLOCKS} (2**26): the index "
+                             f"keeps about 40 bytes per block in this process; use larger "
+                             f"blocks for a host tier this large")
         if not isinstance(policy, str) or policy not in POLICIES:  # a list is unhashable
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r:.60}")
         # a truthy non-bool would record events an engine that passed "no" never takes
         events = check_flag(events, "events")
         self._index = POLICIES[policy](num_blocks)
+        self._entry = threading.RLock()  # _one_thread's: tried, never waited for
+        self._closed = False
         # persist=namespace: the index is mirrored in the namespace's shm and a successor
         # engine starts with the blocks still good (host_cache_persist, engine restarts)
         self._persist: PersistedIndex | None = None
@@ -265,7 +307,11 @@ class HostCache:
         if persist is not None:
             self._persist = PersistedIndex(persist, num_blocks, run_root)
             recovered = self._persist.recovered
-            self._index.adopt(recovered)
+            try:  # PersistedIndex checked them: unique keys and ids, ids in range
+                self._index.adopt(recovered)
+            except BaseException:
+                self._persist.close()
+                raise
             self._recovered = len(recovered)
             if recovered and self._record:
                 self._events.append(CacheEvent([k for k, _ in recovered], False))
@@ -292,6 +338,7 @@ class HostCache:
         return self._index.policy
 
     # ------------------------------------------------------------------ contract
+    @_one_thread
     def lookup(self, hashes: Iterable[Hashable]) -> int:
         """How many leading ``hashes`` are ready in host memory (stops at the first
         one that is missing or whose store has not completed)."""
@@ -306,6 +353,7 @@ class HostCache:
             self._publisher.maybe_write(self)
         return n
 
+    @_one_thread
     def prepare_load(self, hashes: Iterable[Hashable]) -> np.ndarray:
         """Host block ids of ``hashes`` (int64, same order), protected from eviction
         until :meth:`complete_load`.  Every hash must be ready (``lookup``)."""
@@ -316,6 +364,7 @@ class HostCache:
         self._loads += len(ids)
         return np.array(ids, dtype=np.int64)
 
+    @_one_thread
     def complete_load(self, hashes: Iterable[Hashable]) -> None:
         """End one load of each of ``hashes`` (its :meth:`prepare_load` protection)."""
         hashes = _as_hashes(hashes, "complete_load")
@@ -323,6 +372,7 @@ class HostCache:
             self._drain()
         self._index.complete_load(hashes)
 
+    @_one_thread
     def touch(self, hashes: Iterable[Hashable]) -> None:
         """Mark ``hashes`` used: afterwards ``hashes[0]`` is the most recent, then
         ``hashes[1]``, ...  Hashes not in the index are ignored.  ("arc": a ready
@@ -332,6 +382,7 @@ class HostCache:
             self._drain()
         self._index.touch(hashes)
 
+    @_one_thread
     def prepare_store(self, hashes: Iterable[Hashable]) -> StoreOutput | None:
         """Give host blocks to the hashes not stored yet (ready or pending), free ids
         first, evicting only what must go: ready blocks that no load protects and
@@ -343,6 +394,8 @@ class HostCache:
             self._drain()
         if self._persist is not None:
             _check_persistable(hashes)
+        else:
+            _check_self_equal(hashes)
         planned = self._index.prepare_store(hashes)
         if planned is None:
             self._store_refusals += 1
@@ -353,9 +406,10 @@ class HostCache:
         if evicted:
             self._evictions += len(evicted)
             if self._record:
-                self._events.append(CacheEvent(evicted, True))
+                self._events.append(CacheEvent(list(evicted), True))
         return StoreOutput(new, np.array(ids, dtype=np.int64), evicted)
 
+    @_one_thread
     def complete_store(self, hashes: Iterable[Hashable], success: bool = True) -> None:
         """End the pending stores among ``hashes`` (others are ignored, so the list
         given to prepare_store may be passed as is): ``success`` makes them ready and
@@ -377,14 +431,16 @@ class HostCache:
                 host_id = self._index.host_id
                 self._persist.ready(done, [host_id(h) for h in done])
             if self._record:
-                self._events.append(CacheEvent(done, False))
+                self._events.append(CacheEvent(list(done), False))
 
+    @_one_thread
     def __contains__(self, h: Hashable) -> bool:
         """True while ``h`` has a host block (ready, or its store pending)."""
         if self._done:
             self._drain()
         return self._index.host_id(h) is not None
 
+    @_one_thread
     def take_events(self) -> list[CacheEvent]:
         """Events since the last call, in order: stored (``removed=False``) when a
         store completes, removed when blocks are evicted or cleared."""
@@ -393,6 +449,7 @@ class HostCache:
         events, self._events = self._events, []
         return events
 
+    @_one_thread
     def stats(self) -> dict[str, Any]:
         """Sizes and counters (see ``host_cache_stats.FIELDS``), plus the ARC lists."""
         if self._done:
@@ -413,6 +470,7 @@ class HostCache:
                 "evictions": self._evictions, "recovered": self._recovered,
                 **ix.extra_stats()}
 
+    @_one_thread
     def clear(self) -> None:
         """Forget every block (a weight update made them stale); a removed event
         names the ready ones.  Refused while loads or stores are in flight: their
@@ -430,6 +488,7 @@ class HostCache:
         if ready and self._record:
             self._events.append(CacheEvent(ready, True))
 
+    @_one_thread
     def poll(self) -> int:
         """Apply the bookkeeping of transfers that have ended; return how many."""
         n = self._drain()
@@ -450,6 +509,7 @@ class HostCache:
         return n
 
     # ------------------------------------------------------------------ publishing
+    @_one_thread
     def publish(self, namespace: str, run_root: str | None = None,
                 interval_s: float = 0.1) -> None:
         """Publish this cache's statistics for ``kvswap status`` and ``kvswap metrics``
@@ -465,10 +525,14 @@ class HostCache:
         self._publisher = HostCacheStatsWriter.create(namespace, run_root, interval_s)
         self._publisher.write(self)
 
+    @_one_thread
     def close(self) -> None:
         """Stop publishing (removes the statistics segment) and unmap the persisted
-        index, which stays in the namespace for the next engine.  The index stays
-        usable, no longer mirrored."""
+        index, which stays in the namespace for the next engine.  From then on every
+        call but ``close``, ``stats`` and ``take_events`` is refused (``ValueError``):
+        a closed cache that went on handing out blocks would leave the persisted
+        index describing blocks it had since given to other hashes."""
+        self._closed = True
         if self._publisher is not None:
             self._publisher.close()
             self._publisher = None
@@ -483,6 +547,7 @@ class HostCache:
         self.close()
 
     # ------------------------------------------------------------------ wired to the daemons
+    @_one_thread
     def offload(self, client: "TransferClient", hashes: Iterable[Hashable], device_blocks: Any,
                 *, backup: bool = False) -> CacheFuture:
         """Store device blocks in the host tier: ``prepare_store(hashes)``, then evict
@@ -536,21 +601,22 @@ class HostCache:
                         f"write-through backup not sent: {exc!r}", ErrorCode.STORAGE_ERROR)
             self._done.append((_STORE, out.hashes, task is not None))
             if copy is None:
-                cf._finish(CacheTransfer(out.hashes, out.host_blocks, tasks=[task])
+                cf._finish(CacheTransfer(list(out.hashes), out.host_blocks.copy(), tasks=[task])
                            if err is None else None, err)
                 return
             cf.transfers.append(copy)
 
             def on_backup(b: "TransferFuture") -> None:  # client I/O thread
                 stored, berr = _ended(b)
-                cf._finish(CacheTransfer(out.hashes, out.host_blocks, tasks=[task, stored])
-                           if berr is None else None, berr)
+                cf._finish(CacheTransfer(list(out.hashes), out.host_blocks.copy(),
+                                         tasks=[task, stored]) if berr is None else None, berr)
 
             copy.add_done_callback(on_backup)
 
         evict.add_done_callback(on_evict)
         return cf
 
+    @_one_thread
     def fetch(self, client: "TransferClient", hashes: Iterable[Hashable], device_blocks: Any,
               *, prepared: bool = False) -> CacheFuture:
         """Load host blocks into device blocks: ``prepare_load(hashes)``, the load,
@@ -585,11 +651,13 @@ class HostCache:
         def on_load(f: "TransferFuture") -> None:  # client I/O thread
             task, err = _ended(f)
             self._done.append((_LOAD, hashes, True))
-            cf._finish(CacheTransfer(hashes, ids, tasks=[task]) if err is None else None, err)
+            cf._finish(CacheTransfer(list(hashes), ids.copy(), tasks=[task])
+                       if err is None else None, err)
 
         load.add_done_callback(on_load)
         return cf
 
+    @_one_thread
     def prefetch(self, client: "TransferClient", hashes: Iterable[Hashable], *,
                  policy: str = "wait_complete", timeout: float | None = None,
                  min_blocks: int = 0) -> CacheFuture:
@@ -607,6 +675,11 @@ class HostCache:
         evicted to make room)."""
         PrefetchOptions.of(policy, timeout, min_blocks)
         self._check_client(client)
+        if not int(client.seg.header[HeaderSlot.STORAGE_TIER]):  # before anything is evicted
+            raise KvswapError(f"prefetch: namespace {client.names.namespace!r} was launched "
+                              f"without --storage, so it has no storage tier to prefetch from; "
+                              f"launch it with --storage URL (docs/storage.md)",
+                              ErrorCode.STORAGE_ERROR)
         hashes = list(_as_hashes(hashes, "prefetch"))
         keys = {h: storage_key(h) for h in hashes}
         if min_blocks:
@@ -633,7 +706,7 @@ class HostCache:
             n = 0 if task is None else task.count
             self._done.append((_STORE, out.hashes[:n], True))
             self._done.append((_STORE, out.hashes[n:], False))
-            cf._finish(CacheTransfer(out.hashes[:n], out.host_blocks[:n],
+            cf._finish(CacheTransfer(out.hashes[:n], out.host_blocks[:n].copy(),
                                      dropped=out.hashes[n:], tasks=[task])
                        if err is None else None, err)
 
@@ -650,6 +723,16 @@ def _check_persistable(hashes: Sequence[Hashable]) -> None:
                              f"returns")
 
 
+def _check_self_equal(hashes: Sequence[Hashable]) -> None:
+    """A hash unequal to itself (a float NaN) could never be found again: its block
+    would stay pending for good, and ``clear()`` refused with it."""
+    for i, h in enumerate(hashes):
+        if h != h:
+            raise ValueError(f"prepare_store: hash #{i} ({show(h)}) is not equal to itself (a "
+                             f"NaN?), so it could never be looked up or completed; use ints or "
+                             f"the bytes block_hashes() returns")
+
+
 def _check_pairs(client: "TransferClient", hashes: list, dev: np.ndarray,
                  unique: bool) -> None:
     """One device block per hash, each inside the namespace's device cache and, where
@@ -660,9 +743,9 @@ def _check_pairs(client: "TransferClient", hashes: list, dev: np.ndarray,
                          f"block per hash")
     dup = first_duplicate(dev) if unique else None
     if dup is not None:
-        raise KvswapError(f"device block {dup} is named more than once: a load writes each "
+        raise InvalidTask(f"device block {dup} is named more than once: a load writes each "
                           f"destination once", ErrorCode.DUPLICATE_DESTINATION)
     limit = int(client.seg.ranks[:, RankSlot.NUM_DEVICE_BLOCKS].min())
     if limit and len(dev) and int(dev.max()) >= limit:
-        raise KvswapError(f"device block {int(dev.max())} is out of range: the namespace's "
+        raise InvalidTask(f"device block {int(dev.max())} is out of range: the namespace's "
                           f"device caches have {limit} blocks", ErrorCode.ID_OUT_OF_RANGE)

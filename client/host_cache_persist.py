@@ -20,7 +20,14 @@ transfer's end and its bookkeeping loses that block from the mirror, never the
 other way round.  The pools themselves must be the ones the mirror describes:
 the header records the inode of every rank's host pool segment, and a successor
 that finds another pool (a relaunch, ``clear_caches(free_host=True)``, another
-layout) discards the mirror.  Keys are the 32-byte block hashes that
+layout) discards the mirror.  A weight update frees the pools, and ``clear()``
+(the HostCache's, after it) sets the recorded inodes to 0, "not known": the
+next ``unready`` records the pools of that moment, before the engine can send
+the evict whose block it marks, so a block's bytes are never in a pool older
+than the one recorded.  (Recorded at ``ready`` instead, a pool replaced between
+the transfer and its bookkeeping would be trusted for a block it never held.)
+A successor also discards a mirror that is not consistent (a key in two ready
+blocks, a stamp at or past the next one): only a damaged segment looks so.  Keys are the 32-byte block hashes that
 ``block_hashes()`` returns (a persisted index stores bytes, not Python objects).
 
 ::
@@ -31,6 +38,7 @@ layout) discards the mirror.  Keys are the 32-byte block hashes that
     |                  | tp x u64     | N x 32 B   | N x u8     | N x u64    |
     +------------------+--------------+------------+------------+------------+
     header slots: magic, version, num_blocks, tp, next stamp, 3 reserved
+    pool inodes: 0 = not known (after clear(), until the next unready())
     state: 0 free or being written, 1 ready; stamps: completion order (oldest first)
 
 One writer (the scheduler thread of the engine that owns it); its successor
@@ -90,6 +98,7 @@ class PersistedIndex:
                              f"have no host pool yet; create the HostCache after the workers "
                              f"registered (TransferClient.wait_ready)")
         self.name = names.host_cache_index
+        self._names = names
         self._region = ShmRegion.create(self.name, segment_size(num_blocks, tp),
                                         exclusive=False)
         buf, n = self._region, num_blocks
@@ -105,9 +114,12 @@ class PersistedIndex:
             ready = np.flatnonzero(self._state == 1)
             order = ready[np.argsort(self._stamps[ready], kind="stable")]
             self.recovered = [(self._keys[i].tobytes(), int(i)) for i in order]
+            why = self._inconsistent(ready)
+        if why is None:
             log.info("HostCache persist: %d ready block(s) recovered from %s",
                      len(self.recovered), self.name)
         else:
+            self.recovered = []
             if self._header[_MAGIC] != 0:
                 log.warning("HostCache persist: %s discarded (%s)", self.name, why)
             self._state[:] = 0
@@ -132,10 +144,26 @@ class PersistedIndex:
             return "the host pools are not the ones it describes (relaunched or freed)"
         return None
 
+    def _inconsistent(self, ready: np.ndarray) -> str | None:
+        """Why the ready blocks cannot be what a writer left, or None (a damaged segment:
+        the one writer gives a key one block and stamps below the next one)."""
+        if len({k for k, _ in self.recovered}) != len(self.recovered):
+            return "a key is in two ready blocks (the segment is damaged)"
+        if ready.size and int(self._stamps[ready].max()) >= int(self._header[_NEXT_STAMP]):
+            return "a ready block's stamp is not below the next stamp (the segment is damaged)"
+        if int(self._header[_NEXT_STAMP]) >= 1 << 62:
+            return "its next stamp is out of range (the segment is damaged)"
+        return None
+
     # ------------------------------------------------------------------ writer
     def unready(self, ids: list[int]) -> None:
-        """Blocks about to be written (prepare_store): not ready from now on."""
+        """Blocks about to be written (prepare_store): not ready from now on.  After a
+        clear, the pools of this moment become the ones the mirror describes."""
         self._state[ids] = 0
+        if not self._inodes.all():
+            inodes = pool_inodes(self._names, len(self._inodes))
+            if all(inodes):  # else not known still: a successor discards the mirror
+                self._inodes[:] = inodes
 
     def ready(self, keys: list[bytes], ids: list[int]) -> None:
         """Blocks whose store completed: key and stamp first, then the state byte."""
@@ -148,7 +176,9 @@ class PersistedIndex:
         self._state[ids] = 1
 
     def clear(self) -> None:
+        """Nothing ready, and the pools not known (a weight update frees them)."""
         self._state[:] = 0
+        self._inodes[:] = 0
 
     def close(self, unlink: bool = False) -> None:
         """Unmap; ``unlink`` removes the segment (the engine will not come back)."""

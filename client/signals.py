@@ -31,8 +31,8 @@ readers never see a torn value and no lock is needed.  Observing the segment nev
     4     launcher_pid                    4     cache_ready (0/1)
     5     engine_heartbeat_ns             5     swap_ready (0/1)
     6     kvcache_status (KvCacheStatus)  6     inflight
-    7-15  reserved                        7     completed
-                                          8     failed
+    7     storage_tier (0/1)              7     completed
+    8-15  reserved                        8     failed
                                           9     bytes_evicted
                                           10    bytes_loaded
                                           11    num_device_blocks
@@ -81,7 +81,7 @@ from kvswap.client.naming import Names
 from kvswap.client.protocol import OPS
 
 MAGIC = int.from_bytes(b"KVSWAPSG", "little")
-LAYOUT_VERSION = 4
+LAYOUT_VERSION = 5
 HEADER_SLOTS = 16
 RANK_SLOTS = 32
 RANK_BYTES = RANK_SLOTS * 8
@@ -162,6 +162,8 @@ HEADER_FIELDS: tuple[Slot, ...] = (
          "last engine heartbeat, CLOCK_MONOTONIC ns; 0 = never"),
     Slot("kvcache_status", 6, "rank 0's daemon (clear / restore)", "status, engine",
          "KvCacheStatus"),
+    Slot("storage_tier", 7, "launcher (create)", "engine (HostCache.prefetch)",
+         "1: launched with --storage, 0: without"),
 )
 
 RANK_FIELDS: tuple[Slot, ...] = (
@@ -211,6 +213,7 @@ class HeaderSlot(enum.IntEnum):
     LAUNCHER_PID = 4
     ENGINE_HEARTBEAT_NS = 5
     KVCACHE_STATUS = 6
+    STORAGE_TIER = 7
 
 
 @enum.unique
@@ -444,7 +447,9 @@ class SignalSegment:
 
     # ------------------------------------------------------------------ open/close
     @classmethod
-    def create(cls, names: Names, tp_size: int) -> "SignalSegment":
+    def create(cls, names: Names, tp_size: int, storage_tier: bool = False) -> "SignalSegment":
+        """Create the namespace's segment (the launcher); ``storage_tier``: launched
+        with ``--storage``."""
         if not 1 <= tp_size <= 1024:
             raise ValueError(f"tp_size must be in [1, 1024], got {tp_size}")
         try:
@@ -467,6 +472,7 @@ class SignalSegment:
         header[HeaderSlot.CREATED_UNIX_NS] = time.time_ns()
         header[HeaderSlot.LAUNCHER_PID] = os.getpid()
         header[HeaderSlot.KVCACHE_STATUS] = KvCacheStatus.NORMAL
+        header[HeaderSlot.STORAGE_TIER] = int(storage_tier)
         # written last: attachers treat the segment as valid from here
         header[HeaderSlot.MAGIC] = MAGIC
         seg = cls(names, shm, buf, creator=True, readonly=False)

@@ -302,7 +302,8 @@ class Launcher:
                 f"each Launcher starts once: make a new one to launch again")
         self._preflight()
         self._refuse_if_in_use()
-        self.seg = SignalSegment.create(self.names, self.cfg.tp)
+        self.seg = SignalSegment.create(self.names, self.cfg.tp,
+                                        storage_tier=self.cfg.storage_url is not None)
         _running.add(self.names.prefix)
         try:
             create_semaphores(self.names, self.cfg.tp)

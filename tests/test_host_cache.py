@@ -33,6 +33,17 @@ def test_num_blocks_must_be_a_positive_int(n):
         HostCache(n)
 
 
+def test_num_blocks_past_the_bound_is_refused_naming_it():
+    """HostCache(10**9) tried to build a 36 GB free list (MemoryError), 2**63 raised
+    OverflowError: a ValueError naming the bound comes first."""
+    from kvswap.client.host_cache import MAX_BLOCKS
+
+    assert HostCache(MAX_BLOCKS // 1024).capacity == MAX_BLOCKS // 1024
+    for n in (MAX_BLOCKS + 1, 10**9, 2**63):
+        with pytest.raises(ValueError, match=r"over 67108864 \(2\*\*26\)"):
+            HostCache(n)
+
+
 def test_unknown_policy_is_refused_naming_the_choices():
     with pytest.raises(ValueError, match="lru, arc"):
         HostCache(4, "fifo")
@@ -593,3 +604,85 @@ def test_a_fetch_whose_send_fails_gives_back_its_protection_and_count(policy):
     with pytest.raises(KvswapError, match="send failed"):
         c.fetch(_FailingClient(), [1, 2], [0, 1])  # type: ignore[arg-type]
     assert c.stats() == before  # "loads" used to keep the two blocks
+
+
+# ------------------------------------------------------------------ misuse
+
+
+class _Gate:
+    """A hash whose hashing blocks until released: a call that hashes it stays inside
+    the cache, so another thread's call finds it busy, deterministically."""
+
+    def __init__(self):
+        self.inside, self.release = threading.Event(), threading.Event()
+
+    def __hash__(self):
+        self.inside.set()
+        assert self.release.wait(10)
+        return 7
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_call_from_a_second_thread_while_one_is_inside_is_refused(policy):
+    """Two threads interleaving in the index handed one host block to several hashes
+    and lost others, with only internal errors (a KeyError, "OrderedDict mutated
+    during iteration").  A call made while another thread is inside the cache is
+    refused, naming the misuse, before it changes anything."""
+    cache = HostCache(4, policy)
+    out = cache.prepare_store([1, 2])
+    cache.complete_store(out.hashes)
+    gate = _Gate()
+    found: list[int] = []
+    t = threading.Thread(target=lambda: found.append(cache.lookup([gate])))
+    t.start()
+    try:
+        assert gate.inside.wait(10)
+        before = cache.counts()
+        for call in (lambda: cache.prepare_store([3]), lambda: cache.lookup([1]),
+                     lambda: cache.clear(), lambda: 1 in cache):
+            with pytest.raises(ValueError, match="another thread is inside this HostCache: "
+                                                 "it is not thread-safe"):
+                call()
+        assert cache.counts() == before
+    finally:
+        gate.release.set()
+        t.join(10)
+    assert found == [0] and cache.lookup([1, 2]) == 2  # the first call ended normally
+
+
+def test_a_closed_cache_refuses_calls_that_would_change_it():
+    """close() left the index usable but no longer mirrored: with persist= the mirror
+    then named blocks the cache had since given to other hashes (a successor loaded
+    another key's bytes).  Now every call but close, stats and take_events is refused."""
+    cache = HostCache(2)
+    cache.complete_store(cache.prepare_store([1]).hashes)
+    cache.close()
+    for call in (lambda: cache.prepare_store([2]), lambda: cache.lookup([1]),
+                 lambda: cache.clear(), lambda: cache.poll(), lambda: cache.touch([1])):
+        with pytest.raises(ValueError, match="this HostCache is closed"):
+            call()
+    assert cache.stats()["ready"] == 1 and [e.hashes for e in cache.take_events()] == [[1]]
+    cache.close()  # twice is fine
+
+
+def test_results_are_copies_not_the_index_lists():
+    """The evicted list prepare_store returns was the removed event's own list: a
+    caller editing one edited the other."""
+    cache = HostCache(1)
+    cache.complete_store(cache.prepare_store([1]).hashes)
+    cache.take_events()
+    out = cache.prepare_store([2])
+    out.evicted.clear()
+    cache.complete_store(out.hashes)
+    events = cache.take_events()
+    assert [(e.hashes, e.removed) for e in events] == [([1], True), ([2], False)]
+
+
+def test_a_hash_unequal_to_itself_is_refused():
+    """A NaN hash was stored and could never be completed (NaN != NaN): pending for
+    good, and clear() refused for good."""
+    cache = HostCache(4)
+    with pytest.raises(ValueError, match=r"hash #1 \(nan\) is not equal to itself"):
+        cache.prepare_store([1.0, float("nan")])
+    assert cache.stats()["used"] == 0
+    cache.clear()

@@ -143,7 +143,7 @@ def test_bad_wired_calls_are_refused_with_nothing_changed(system):
     cache = HostCache(HOST)
     with pytest.raises(ValueError, match="2 hashes but 1 device blocks"):
         cache.offload(client, [1, 2], [0])
-    with pytest.raises(KvswapError) as ei:
+    with pytest.raises(ValueError) as ei:  # an InvalidTask, like every refused argument
         cache.offload(client, [1, 2], [0, 32])  # the device caches have 32 blocks
     assert ei.value.code == ErrorCode.ID_OUT_OF_RANGE
     assert cache.stats()["used"] == 0
@@ -157,7 +157,7 @@ def test_bad_wired_calls_are_refused_with_nothing_changed(system):
         cache.fetch(client, [1], [5], prepared=True)
     assert cache.stats()["protected"] == 0
     before = cache.stats()
-    with pytest.raises(KvswapError) as ei:  # a load writes each device block once
+    with pytest.raises(ValueError) as ei:  # a load writes each device block once
         cache.fetch(client, [1, 2], [5, 5])
     assert ei.value.code == ErrorCode.DUPLICATE_DESTINATION
     too_big = HostCache(HOST + 1)  # its block HOST is past the namespace's host pools
@@ -510,3 +510,115 @@ def test_persisted_index_survives_the_engine_and_never_names_a_rewritten_block(s
     third = HostCache(HOST, policy, persist=ns, run_root=rr)
     assert third.stats()["recovered"] == 0 and third.lookup([_key(102)]) == 0
     third.close()
+
+
+def test_a_closed_persisted_cache_leaves_its_successor_only_blocks_that_hold_their_keys(system):
+    """After close() the cache went on evicting and reusing blocks, no longer
+    mirrored: its successor recovered k0 -> block 0 while block 0 held k4's bytes.
+    A closed cache refuses such calls, so the mirror stays what it was at close."""
+    launcher, client, device = system
+    ns, rr = launcher.names.namespace, str(launcher.names.run_root)
+    first = HostCache(4, persist=ns, run_root=rr)
+    device.write([0, 1, 2, 3, 4], [10, 11, 12, 13, 14])
+    first.offload(client, [_key(h) for h in (10, 11, 12, 13)], [0, 1, 2, 3]).result(30)
+    first.poll()
+    first.close()
+    with pytest.raises(ValueError, match="this HostCache is closed"):
+        first.offload(client, [_key(14)], [4])
+    second = HostCache(4, persist=ns, run_root=rr)
+    assert second.stats()["recovered"] == 4
+    device.wipe([8, 9, 10, 11])
+    second.fetch(client, [_key(h) for h in (10, 11, 12, 13)], [8, 9, 10, 11]).result(30)
+    assert device.holds([8, 9, 10, 11], [10, 11, 12, 13])
+    second.close()
+
+
+def test_a_damaged_mirror_is_discarded_not_fatal(system, caplog):
+    """A mirror with one key in two ready blocks made every HostCache(persist=)
+    raise (from the index's adopt) and left the segment mapped; a stamp near 2**64
+    made a later completion raise OverflowError half applied.  Both are damage only,
+    and are discarded with a warning, as the other unusable mirrors are."""
+    from kvswap.client.host_cache_persist import HEADER_SLOTS, KEY_BYTES
+    from kvswap.client.shm_region import ShmRegion
+
+    launcher, client, device = system
+    ns, rr = launcher.names.namespace, str(launcher.names.run_root)
+    device.write([0, 1], [20, 21])
+    keys_at = HEADER_SLOTS * 8 + 2 * 8  # TP 2
+    for damage in ("same key", "stamp"):
+        first = HostCache(4, persist=ns, run_root=rr)
+        first.offload(client, [_key(20), _key(21)], [0, 1]).result(30)
+        first.poll()
+        first.close()
+        region = ShmRegion.attach(launcher.names.host_cache_index)
+        try:
+            if damage == "same key":
+                region.array(keys_at, (4, KEY_BYTES), np.uint8)[1] = np.frombuffer(
+                    _key(20), np.uint8)
+            else:  # the next stamp at or below the ready blocks' stamps
+                region.array(0, (HEADER_SLOTS,), np.uint64)[4] = 1
+        finally:
+            region.close()
+        caplog.clear()
+        cache = HostCache(4, persist=ns, run_root=rr)
+        assert cache.stats()["recovered"] == 0 and cache.lookup([_key(20)]) == 0
+        assert "the segment is damaged" in caplog.text
+        cache.close()
+
+
+def test_the_mirror_works_again_after_a_weight_update(system):
+    """clear_caches(model_version=) frees the pools and restore_caches() makes new
+    ones; the mirror kept the old pools' inodes, so every successor discarded it until
+    the engine itself was relaunched.  clear() now leaves them not known and the next
+    store records the pools of that moment."""
+    launcher, client, device = system
+    ns, rr = launcher.names.namespace, str(launcher.names.run_root)
+    first = HostCache(HOST, persist=ns, run_root=rr)
+    device.write([0, 1], [30, 31])
+    first.offload(client, [_key(30), _key(31)], [0, 1]).result(30)
+    client.clear_caches(model_version="v2").result(30)
+    first.clear()
+    client.restore_caches().result(30)
+    client.wait_ready(30)
+    device.write([2, 3, 4], [32, 33, 34])
+    first.offload(client, [_key(h) for h in (32, 33, 34)], [2, 3, 4]).result(30)
+    first.poll()
+    del first  # a crash: no close()
+    second = HostCache(HOST, persist=ns, run_root=rr)
+    assert second.stats()["recovered"] == 3 and second.lookup([_key(30)]) == 0
+    device.wipe([8, 9, 10])
+    second.fetch(client, [_key(h) for h in (32, 33, 34)], [8, 9, 10]).result(30)
+    assert device.holds([8, 9, 10], [32, 33, 34])
+    second.close()
+
+
+def test_a_prefetch_without_a_storage_tier_is_refused_before_it_evicts(system):
+    """The namespace has no --storage: the prefetch used to evict ready blocks for
+    room and only then fail STORAGE_ERROR.  The signal segment says whether there is
+    a storage tier, so it is refused with nothing changed."""
+    _, client, device = system
+    cache = HostCache(2)
+    device.write([0, 1], [40, 41])
+    cache.offload(client, [40, 41], [0, 1]).result(30)
+    before = cache.stats()
+    with pytest.raises(KvswapError, match="launched without --storage") as ei:
+        cache.prefetch(client, [50, 51])
+    assert ei.value.code == ErrorCode.STORAGE_ERROR
+    assert cache.stats() == before and cache.lookup([40, 41]) == 2 and not cache.take_events()[1:]
+
+
+def test_wired_results_are_copies_of_what_the_index_queued(system):
+    """offload().result().hashes was the list queued for the cache's own bookkeeping:
+    a caller emptying it left the stores pending for good (and clear() refused);
+    the same for fetch, whose blocks stayed protected."""
+    _, client, device = system
+    cache = HostCache(HOST)
+    device.write([0, 1, 2], [60, 61, 62])
+    got = cache.offload(client, [60, 61, 62], [0, 1, 2]).result(30)
+    got.hashes.clear()
+    assert cache.lookup([60, 61, 62]) == 3
+    loaded = cache.fetch(client, [60, 61], [5, 6]).result(30)
+    loaded.hashes.clear()
+    cache.poll()
+    assert cache.stats()["protected"] == 0
+    cache.clear()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -82,6 +83,15 @@ class CacheWorker:
             tp = self.seg.tp_size
             self.seg.close()
             raise ValueError(f"rank {rank} out of range for namespace tp_size {tp}")
+        engine_timeout_s = int(self.seg.header[HeaderSlot.ENGINE_TIMEOUT_MS]) / 1000
+        if engine_timeout_s and heartbeat_interval_s * 2 > engine_timeout_s:
+            self.seg.close()
+            raise InvalidTask(
+                f"heartbeat_interval_s {heartbeat_interval_s:g} must be at most half of the "
+                f"namespace's --engine-timeout {engine_timeout_s:g}: the launcher tears the "
+                f"namespace down when the engine has been silent that long, so a live engine "
+                f"beating slower would lose it; beat more often, or launch with a longer "
+                f"--engine-timeout", ErrorCode.BAD_FIELD)
         self.rank = rank
         self.backend = backend
         self._regions: dict[str, ShmRegion] = {}
@@ -92,6 +102,7 @@ class CacheWorker:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(self.names.endpoint(rank))
         self._closed = False
+        self._closing = threading.Event()  # close() began: a register's wait gives up
         # layer number -> its index among the registered tensors' sorted distinct layers
         # (the index the daemon publishes progress in); replaced whole by register
         self._layers: dict[int, int] = {}
@@ -135,6 +146,12 @@ class CacheWorker:
             raise InvalidTask(f"dtype {dt} cannot live in shared memory: use a numeric dtype "
                               f"(uint8 for fp8 caches)", ErrorCode.BAD_FIELD)
         nbytes = math.prod(dims) * dt.itemsize  # Python ints: no silent wrap-around
+        st = os.statvfs("/dev/shm")
+        if nbytes > st.f_bavail * st.f_frsize:
+            raise InvalidTask(f"tensor {name!r} of shape {dims} takes {nbytes} bytes, more than "
+                              f"the {st.f_bavail * st.f_frsize} bytes free in /dev/shm: use a "
+                              f"smaller shape, or make room (a larger /dev/shm)",
+                              ErrorCode.BAD_FIELD)
         with self._lock:
             if self._closed:
                 raise KvswapError("CacheWorker is closed", ErrorCode.SHUTTING_DOWN)
@@ -204,6 +221,8 @@ class CacheWorker:
         without ``replace``.  On a fresh namespace it is an ordinary register.  See
         docs/operations.md, "Engine restarts".
         """
+        if self._closed:  # before the checks: the tensors it names are unlinked already
+            raise KvswapError("CacheWorker is closed", ErrorCode.SHUTTING_DOWN)
         if not isinstance(replace, bool):
             raise ValueError(f"replace must be a bool, got {replace!r}")
         timeout = check_seconds(timeout, "timeout", positive=True)
@@ -273,8 +292,12 @@ class CacheWorker:
             self._sock.send_multipart(frames)
             deadline = time.monotonic() + timeout
             while True:
+                if self._closing.is_set():
+                    raise KvswapError(f"CacheWorker closed while {op.value} waited for rank "
+                                      f"{self.rank}'s answer", ErrorCode.SHUTTING_DOWN)
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1):
+                # in slices, so that close() from another thread ends the wait soon
+                if remaining <= 0 or not self._sock.poll(min(int(remaining * 1000) + 1, 50)):
                     if time.monotonic() >= deadline:
                         raise RankTimeout(
                             f"rank {self.rank} did not answer {op.value} within {timeout:.1f}s "
@@ -299,7 +322,9 @@ class CacheWorker:
 
         Arrays returned by :meth:`alloc_host_tensor` stay valid until dropped.  A
         :meth:`wait_layer` in another thread ends with SHUTTING_DOWN, and the layer
-        semaphore and signal segment are closed only once it has left."""
+        semaphore and signal segment are closed only once it has left.  A register
+        waiting for its answer in another thread ends with SHUTTING_DOWN within 50 ms."""
+        self._closing.set()
         with self._lock:
             if self._closed:
                 return

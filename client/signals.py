@@ -32,8 +32,8 @@ readers never see a torn value and no lock is needed.  Observing the segment nev
     5     engine_heartbeat_ns             5     swap_ready (0/1)
     6     kvcache_status (KvCacheStatus)  6     inflight
     7     storage_tier (0/1)              7     completed
-    8-15  reserved                        8     failed
-                                          9     bytes_evicted
+    8     engine_timeout_ms               8     failed
+    9-15  reserved                        9     bytes_evicted
                                           10    bytes_loaded
                                           11    num_device_blocks
                                           12    num_host_blocks
@@ -164,6 +164,8 @@ HEADER_FIELDS: tuple[Slot, ...] = (
          "KvCacheStatus"),
     Slot("storage_tier", 7, "launcher (create)", "engine (HostCache.prefetch)",
          "1: launched with --storage, 0: without"),
+    Slot("engine_timeout_ms", 8, "launcher (create)", "CacheWorker (checks its heartbeat)",
+         "--engine-timeout in ms; 0 = never"),
 )
 
 RANK_FIELDS: tuple[Slot, ...] = (
@@ -214,6 +216,7 @@ class HeaderSlot(enum.IntEnum):
     ENGINE_HEARTBEAT_NS = 5
     KVCACHE_STATUS = 6
     STORAGE_TIER = 7
+    ENGINE_TIMEOUT_MS = 8
 
 
 @enum.unique
@@ -447,9 +450,10 @@ class SignalSegment:
 
     # ------------------------------------------------------------------ open/close
     @classmethod
-    def create(cls, names: Names, tp_size: int, storage_tier: bool = False) -> "SignalSegment":
+    def create(cls, names: Names, tp_size: int, storage_tier: bool = False,
+               engine_timeout_s: float = 0.0) -> "SignalSegment":
         """Create the namespace's segment (the launcher); ``storage_tier``: launched
-        with ``--storage``."""
+        with ``--storage``; ``engine_timeout_s``: its ``--engine-timeout``."""
         if not 1 <= tp_size <= 1024:
             raise ValueError(f"tp_size must be in [1, 1024], got {tp_size}")
         try:
@@ -473,6 +477,7 @@ class SignalSegment:
         header[HeaderSlot.LAUNCHER_PID] = os.getpid()
         header[HeaderSlot.KVCACHE_STATUS] = KvCacheStatus.NORMAL
         header[HeaderSlot.STORAGE_TIER] = int(storage_tier)
+        header[HeaderSlot.ENGINE_TIMEOUT_MS] = round(engine_timeout_s * 1000)
         # written last: attachers treat the segment as valid from here
         header[HeaderSlot.MAGIC] = MAGIC
         seg = cls(names, shm, buf, creator=True, readonly=False)

@@ -27,7 +27,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, NotReady
-from kvswap.client.layout import TensorDesc, layout_hash, validate_layout
+from kvswap.client.layout import TensorDesc, validate_layout
 from kvswap.client.protocol import Request, packb
 from kvswap.client.shm_region import unlink_shm
 from kvswap.client.signals import RankSlot, RankState, poll_until
@@ -35,7 +35,7 @@ from kvswap.daemon.backend import Backend
 from kvswap.daemon.io_loop import IoLoop
 from kvswap.daemon.jobs import PEER_WORKERS, Completion, Job
 from kvswap.daemon.rank import RankContext
-from kvswap.daemon.registration import Registration, layout_difference
+from kvswap.daemon.registration import Registration, keep_layout, repeat_refusal
 from kvswap.daemon.scheduler import RunBatch, Scheduler
 from kvswap.daemon.storage_entries import EntryLayout
 from kvswap.daemon.storage_service import StorageService
@@ -96,9 +96,11 @@ class Registrar:
         self._registration: Registration | None = None  # I/O and control, under _lock
         self._lock = threading.Lock()
         self._kept_swap: HostSwapSpace | None = None  # control thread: kept by clear(free_host=False)
-        # I/O and control, under _lock: a replacing register failed after the old tensors
-        # were detached; the next register replaces too (the other ranks are READY)
-        self._replace_unfinished = False
+        # I/O and control, under _lock: the layout a replacing register took over, from its
+        # admission until it attaches.  Set with nothing registered, the replace failed
+        # after detaching the old tensors: the next register replaces too (the other
+        # ranks are READY) and must keep this layout, which the pool was written under.
+        self._replaced_layout: list[TensorDesc] | None = None
         # Under _lock: a restarted daemon's next register joins the serving ranks
         # (expect_join), keeping its predecessor's layout; the state a register that
         # meets no barrier settles in (Lifecycle._settle).
@@ -142,7 +144,11 @@ class Registrar:
                 self._admit_replace(job, state)
             elif joining:
                 self._admit_join(job)
-            elif self._replace_unfinished:
+            elif self._replaced_layout is not None:
+                keep_layout(self._rank.index, self._replaced_layout, job.tensors,
+                            "a replacing register failed on this rank after detaching the "
+                            "tensors in effect, and the register that completes it must keep "
+                            "their layout")
                 job.replace = True
             self._registration = Registration([t.to_wire() for t in job.tensors])
         self._control.put(job)
@@ -157,13 +163,14 @@ class Registrar:
         ATTACHING, which refuses transfers (NOT_READY) until the new tensors are
         attached; the control thread first lets the running tasks finish."""
         assert self._registration is not None
-        self._keep_layout([TensorDesc.from_wire(t) for t in self._registration.tensors], job,
-                          "a replacing register must keep the layout in effect, so the host "
-                          "pool keeps its meaning")
+        old = [TensorDesc.from_wire(t) for t in self._registration.tensors]
+        keep_layout(self._rank.index, old, job.tensors, "a replacing register must keep the "
+                    "layout in effect, so the host pool keeps its meaning")
         if not self._rank.sm.to(RankState.ATTACHING, only_from=frozenset({state})):
             raise NotReady(f"rank {self._rank.index} is {self._rank.sm.state.name}; a "
                            f"replacing register needs READY or PAUSED")
         job.replace = True
+        self._replaced_layout = old
         self.settle_to = state  # a paused namespace stays paused across the replacement
         log.info("register %s replaces the attached tensors (engine restart); the host pool "
                  "is kept", job.req_id)
@@ -179,19 +186,13 @@ class Registrar:
         its contents (``HostSwapSpace.reused``); tasks in doubt are abandoned, not
         replayed onto what may be other tensors (Lifecycle's control loop)."""
         if self._predecessor_layout is not None:
-            self._keep_layout(self._predecessor_layout, job, "it restarted and rejoins ranks "
-                              "that serve its previous register's layout, not this one's")
+            keep_layout(self._rank.index, self._predecessor_layout, job.tensors, "it restarted "
+                        "and rejoins ranks that serve its previous register's layout, not this "
+                        "one's")
         job.replace = True
         log.info("register %s: this daemon restarted and could not re-attach, so it joins the "
                  "serving ranks without the start-up barrier (the host pool is kept if its "
                  "layout matches)", job.req_id)
-
-    def _keep_layout(self, old: list[TensorDesc], job: Job, why: str) -> None:
-        if layout_hash(old) != layout_hash(job.tensors):
-            raise InvalidTask(
-                f"rank {self._rank.index}: {why} ({layout_difference(old, job.tensors)}); to "
-                f"change the layout call clear_caches(free_host=True) then restore_caches() "
-                f"on the TransferClient, or relaunch the namespace", ErrorCode.BAD_LAYOUT)
 
     def settled(self) -> None:
         """The rank left ATTACHING for the state :attr:`settle_to` named (control thread):
@@ -209,20 +210,10 @@ class Registrar:
         one's answer: now, or from the control thread when it ends.  Anything else
         is ALREADY_REGISTERED: attached caches are only replaced through
         clear/restore."""
-        reg, index = self._registration, self._rank.index
-        if state in (RankState.CLEARING, RankState.CLEARED):
-            raise KvswapError(f"rank {index} is {state.name}: its caches were released; "
-                              f"call restore_caches() on the TransferClient, then register",
-                              ErrorCode.ALREADY_REGISTERED)
-        differs = "no register" if reg is None else reg.difference(self._rank.cfg.backend,
-                                                                   job.header)
-        if differs:
-            raise KvswapError(
-                f"rank {index} already has caches registered (state {state.name}) and this "
-                f"register is not the same ({differs}); a restarted engine registers with "
-                f"replace=True (same layout; the host pool is kept); to change the layout "
-                f"call clear_caches() then restore_caches() on the TransferClient and register "
-                f"again, or relaunch the namespace", ErrorCode.ALREADY_REGISTERED)
+        reg = self._registration
+        refusal = repeat_refusal(self._rank.index, state, reg, self._rank.cfg.backend, job.header)
+        if refusal is not None:
+            raise refusal
         assert reg is not None
         if reg.reply is None:
             reg.waiters.append(job)
@@ -239,12 +230,18 @@ class Registrar:
         same answer.  Attaching is all or nothing: a failure leaves nothing
         attached, so a new register may try again.  A replacing register first
         drains the running tasks and detaches the old tensors, keeping the pool."""
+        detached = False
         try:
             if job.replace and self._slot.current is not None:
                 self._drain("replacing register")
                 self.detach(free_host=False)
+                detached = True
             fields = self._attach(job)
         except KvswapError as exc:
+            if detached:  # the reply says the rank is down, and how it comes back
+                exc.message += (f"; the tensors it replaces were detached first, so rank "
+                                f"{self._rank.index} serves nothing (NOT_READY) until a "
+                                f"register of their layout succeeds")
             self._end(exc.code, exc.message, {}, attached=False, replace=job.replace)
             raise
         except Exception as exc:  # the control loop logs it and answers INTERNAL_ERROR
@@ -276,7 +273,8 @@ class Registrar:
             reg.reply = (code, message, fields)
             if not attached:
                 self._registration = None
-            self._replace_unfinished = replace and not attached
+            if attached or not replace:
+                self._replaced_layout = None
         for waiter in waiters:
             self._io.complete(Completion.now(waiter, code, message, now, fields))
 

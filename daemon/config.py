@@ -146,6 +146,16 @@ class NamespaceOptions(Options):
             raise ValueError(exc.message) from None
 
 
+def _engine_timeout_problem(v: float) -> str | None:
+    """0 (never) or a duration twice the engine heartbeat's default interval at least:
+    shorter, a live engine's namespace was torn down between two of its beats."""
+    problem = seconds_or_zero(v)
+    if problem is None and 0 < v < 1.0:
+        problem = (f"must be 0 (never) or at least 1 second, twice the 0.5 s at which a "
+                   f"CacheWorker beats by default, got {v}")
+    return problem
+
+
 def check_beats(interval_s: float, stale_s: float, flag: str, outcome: str) -> None:
     """A daemon's heartbeat must come well within the age at which it counts as silent:
     at or past it, a healthy daemon is found silent between every two beats (with
@@ -353,9 +363,10 @@ class LaunchConfig(DaemonOptions):
         help="deadline in seconds of the staged stop: shutdown message, SIGTERM at 50%%, "
              "SIGKILL at 80%%")
     engine_timeout_s: float = option(
-        60.0, flag="--engine-timeout", parse=float, check=seconds_or_zero,
+        60.0, flag="--engine-timeout", parse=float, check=_engine_timeout_problem,
         help="once the engine has beaten, tear everything down if it stays silent this many "
-             "seconds (0: never)")
+             "seconds (0: never; at least 1: a CacheWorker beats every 0.5 s by default and "
+             "refuses a heartbeat interval over half of it)")
     supervision: SupervisorConfig = nested(SupervisorConfig)
 
     def __post_init__(self) -> None:

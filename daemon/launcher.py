@@ -303,7 +303,8 @@ class Launcher:
         self._preflight()
         self._refuse_if_in_use()
         self.seg = SignalSegment.create(self.names, self.cfg.tp,
-                                        storage_tier=self.cfg.storage_url is not None)
+                                        storage_tier=self.cfg.storage_url is not None,
+                                        engine_timeout_s=self.cfg.engine_timeout_s)
         _running.add(self.names.prefix)
         try:
             create_semaphores(self.names, self.cfg.tp)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvswap.client.errors import ErrorCode, InvalidTask
-from kvswap.client.layout import TensorDesc
+from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError
+from kvswap.client.layout import TensorDesc, layout_hash
+from kvswap.client.signals import RankState
 from kvswap.daemon.jobs import Job
 
 
@@ -41,6 +42,40 @@ class Registration:
                         if new.get(k) != old.get(k)]  # "replicated" is sent only when set
                 return f"tensor {old['name']!r} differs in {', '.join(what)}"
         return ""
+
+
+def keep_layout(rank: int, old: list[TensorDesc], new: list[TensorDesc], why: str) -> None:
+    """BAD_LAYOUT, saying ``why`` and how to change layouts, unless ``new`` has the
+    layout ``old`` had (the host pool keeps its meaning)."""
+    if layout_hash(old) != layout_hash(new):
+        raise InvalidTask(
+            f"rank {rank}: {why} ({layout_difference(old, new)}); to change the layout call "
+            f"clear_caches(free_host=True) then restore_caches() on the TransferClient, or "
+            f"relaunch the namespace", ErrorCode.BAD_LAYOUT)
+
+
+def repeat_refusal(rank: int, state: RankState, reg: Registration | None, backend: str,
+                   header: dict) -> KvswapError | None:
+    """Why a register on a rank that has one in effect (or is attaching one) is
+    refused, or None when it repeats that one (the same descriptors, locations
+    included: the very same memory) and gets its answer."""
+    if state in (RankState.CLEARING, RankState.CLEARED):
+        return KvswapError(f"rank {rank} is {state.name}: its caches were released; call "
+                           f"restore_caches() on the TransferClient, then register",
+                           ErrorCode.ALREADY_REGISTERED)
+    differs = "no register" if reg is None else reg.difference(backend, header)
+    if differs and header.get("replace") and state is RankState.ATTACHING:
+        return KvswapError(f"rank {rank} is ATTACHING another register (a replacing one, or "
+                           f"its first); a replacing register needs the rank READY or PAUSED: "
+                           f"retry once that one has ended", ErrorCode.NOT_READY)
+    if differs:
+        return KvswapError(
+            f"rank {rank} already has caches registered (state {state.name}) and this "
+            f"register is not the same ({differs}); a restarted engine registers with "
+            f"replace=True (same layout; the host pool is kept); to change the layout call "
+            f"clear_caches() then restore_caches() on the TransferClient and register again, "
+            f"or relaunch the namespace", ErrorCode.ALREADY_REGISTERED)
+    return None
 
 
 def layout_difference(old: list[TensorDesc], new: list[TensorDesc]) -> str:

@@ -13,6 +13,7 @@ import subprocess
 import time
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -234,3 +235,177 @@ def test_a_replacing_register_keeps_a_paused_namespace_paused(namespaces):
             assert all(r.ok for r in client.evict([1], [1]).result(20).replies.values())
     finally:
         _release(workers, names)
+
+
+def test_a_replace_that_failed_after_detaching_is_completed_only_with_the_same_layout(
+        namespaces):
+    """Rank 0's replacing register fails at attach (one of its new segments is gone),
+    after the tensors in effect were detached.  The next register on that rank was
+    taken with any layout (BAD_LAYOUT skipped): rank 0 then served another layout than
+    rank 1 and, with its pool recreated, loads answered OK with zeros.  It must keep
+    the layout the pool was written under; the failure's reply says the rank is down."""
+    launcher = namespaces.launch(tp=TP, demo_caches=None, host_blocks=HOST_BLOCKS, wait=False)
+    names, seg = launcher.names, launcher.seg
+    first = [_new_worker(names, r) for r in range(TP)]
+    workers = [w for w, _ in first]
+    try:
+        for r, (worker, tensors) in enumerate(first):
+            for t, ct in enumerate(tensors):
+                for i in range(BLOCKS):
+                    ct.array[i] = _pattern(r, t, i)
+            worker.register(tensors, timeout=30)
+        launcher.wait_ready(30)
+        with TransferClient(names.namespace, TP, run_root=str(names.run_root)) as client:
+            assert all(r.ok for r in client.evict(list(range(8)), list(range(8))).result(20)
+                       .replies.values())
+            first[0][0].close()  # rank 0's engine worker is replaced
+            new, tensors = _new_worker(names, 0)
+            workers.append(new)
+            unlink_shm(names.device_segment(0, "v0"))  # its attach will fail
+            with pytest.raises(Exception, match="serves nothing \\(NOT_READY\\) until a "
+                                                "register of their layout succeeds"):
+                new.register(tensors, timeout=30, replace=True)
+            assert seg.state_of(0) is RankState.ATTACHING
+            other = CacheWorker(names.namespace, 0, run_root=str(names.run_root))
+            workers.append(other)
+            odd = [CacheTensor("x0", 0, other.alloc_host_tensor("x0", (BLOCKS, 128), "uint16"))]
+            with pytest.raises(InvalidTask, match="must keep their layout") as ei:
+                other.register(odd, timeout=30, replace=True)
+            assert ei.value.code == ErrorCode.BAD_LAYOUT and seg.state_of(0) is RankState.ATTACHING
+            new.close()
+            again, tensors = _new_worker(names, 0)
+            workers.append(again)
+            reply = again.register(tensors, timeout=30, replace=True)
+            assert reply.ok and reply.fields["host_pool_kept"]
+            client.wait_ready(20)
+            assert all(r.ok for r in client.load(list(range(8)), list(range(16, 24))).result(20)
+                       .replies.values())
+            for t, ct in enumerate(tensors):
+                for i in range(8):
+                    assert np.array_equal(ct.array[16 + i], _pattern(0, t, i))
+    finally:
+        _release(workers, names)
+        unlink_shm(names.device_segment(0, "x0"))
+
+
+def test_close_ends_a_register_that_waits_for_a_stopped_daemon(namespaces):
+    """close() from another thread waited for a pending register's whole timeout (it
+    held the worker's lock while it waited for the answer); a register after close()
+    was refused for its tensors (BAD_LAYOUT), not SHUTTING_DOWN."""
+    import os
+    import signal
+    import threading
+
+    launcher = namespaces.launch(tp=1, demo_caches=None, host_blocks=HOST_BLOCKS, wait=False)
+    names = launcher.names
+    worker, tensors = _new_worker(names, 0)
+    errors: list[BaseException] = []
+
+    def register() -> None:
+        try:
+            worker.register(tensors, timeout=30)
+        except BaseException as exc:
+            errors.append(exc)
+
+    pid = launcher.procs[0].pid
+    os.kill(pid, signal.SIGSTOP)
+    t = threading.Thread(target=register)
+    try:
+        t.start()
+        assert t.is_alive()
+        t0 = time.monotonic()
+        worker.close()
+        t.join(10)
+        assert time.monotonic() - t0 < 5 and not t.is_alive()
+        assert len(errors) == 1 and getattr(errors[0], "code", None) == ErrorCode.SHUTTING_DOWN
+        with pytest.raises(Exception, match="CacheWorker is closed") as ei:
+            worker.register(tensors, timeout=5)
+        assert ei.value.code == ErrorCode.SHUTTING_DOWN
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        worker.close()
+
+
+def test_a_worker_beating_slower_than_half_the_engine_timeout_is_refused(namespaces):
+    """With --engine-timeout under the worker's heartbeat interval the launcher tore a
+    live engine's namespace down between two beats.  The launcher publishes its
+    timeout and the worker refuses an interval over half of it; the launcher refuses a
+    timeout under 1 s (twice the default interval)."""
+    from kvswap.daemon.config import LaunchConfig
+
+    launcher = namespaces.launch(tp=1, demo_caches=None, host_blocks=HOST_BLOCKS, wait=False,
+                                 engine_timeout_s=4.0)
+    names = launcher.names
+    with pytest.raises(InvalidTask, match="at most half of the namespace's --engine-timeout 4"):
+        CacheWorker(names.namespace, 0, run_root=str(names.run_root), heartbeat_interval_s=2.5)
+    CacheWorker(names.namespace, 0, run_root=str(names.run_root), heartbeat_interval_s=2.0).close()
+    with pytest.raises(ValueError, match="at least 1 second"):
+        LaunchConfig(namespace="x", tp=1, engine_timeout_s=0.4)
+    assert LaunchConfig(namespace="x", tp=1, engine_timeout_s=0).engine_timeout_s == 0
+
+
+def test_alloc_host_tensor_larger_than_dev_shm_is_refused_with_nothing_made(namespaces):
+    """A shape of 2**80 bytes raised a bare OverflowError, and 1 TiB was created as a
+    sparse segment that the first touch past /dev/shm's room would kill."""
+    launcher = namespaces.launch(tp=1, demo_caches=None, host_blocks=HOST_BLOCKS, wait=False)
+    names = launcher.names
+    with CacheWorker(names.namespace, 0, run_root=str(names.run_root)) as worker:
+        for shape in ((2**40, 2**40), (1 << 40, 1024)):
+            with pytest.raises(InvalidTask, match="bytes free in /dev/shm") as ei:
+                worker.alloc_host_tensor("big", shape, "uint8")
+            assert ei.value.code == ErrorCode.BAD_FIELD
+        assert not (Path("/dev/shm") / names.device_segment(0, "big").lstrip("/")).exists()
+
+
+def test_a_replace_racing_another_is_told_to_retry_not_to_use_replace(namespaces, tmp_path,
+                                                                      monkeypatch):
+    """Two workers of one rank replace at once: the second, meeting the rank ATTACHING
+    the first, was refused ALREADY_REGISTERED "a restarted engine registers with
+    replace=True", which it had done.  It is told the rank is attaching another
+    register and to retry (NOT_READY).  The first replace is held in its attach (a
+    sitecustomize in the daemon waits for a file) so the race is not left to timing."""
+    import threading
+
+    go = tmp_path / "go"
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import os, time
+        from kvswap.daemon import attachment
+        _attach = attachment.Registrar._attach
+        def held(self, job):
+            deadline = time.monotonic() + 20
+            while job.replace and not os.path.exists({str(go)!r}) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return _attach(self, job)
+        attachment.Registrar._attach = held
+    """))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    launcher = namespaces.launch(tp=1, demo_caches=None, host_blocks=HOST_BLOCKS, wait=False)
+    monkeypatch.delenv("PYTHONPATH")
+    names, seg = launcher.names, launcher.seg
+    first, tensors = _new_worker(names, 0)
+    workers = [first]
+    replies: list = []
+    try:
+        first.register(tensors, timeout=30)
+        launcher.wait_ready(30)
+        first.close()
+        a, a_tensors = _new_worker(names, 0)
+        workers.append(a)
+        t = threading.Thread(target=lambda: replies.append(
+            a.register(a_tensors, timeout=30, replace=True)))
+        t.start()
+        deadline = time.monotonic() + 20
+        while seg.state_of(0) is not RankState.ATTACHING and time.monotonic() < deadline:
+            time.sleep(0.01)
+        b = CacheWorker(names.namespace, 0, run_root=str(names.run_root))
+        workers.append(b)
+        odd = [CacheTensor("x0", 0, b.alloc_host_tensor("x0", (BLOCKS, 128), "uint16"))]
+        with pytest.raises(NotReady, match="is ATTACHING another register .* retry once"):
+            b.register(odd, timeout=30, replace=True)
+        go.touch()
+        t.join(30)
+        assert len(replies) == 1 and replies[0].ok and seg.state_of(0) is RankState.READY
+    finally:
+        go.touch()
+        _release(workers, names)
+        unlink_shm(names.device_segment(0, "x0"))

@@ -166,10 +166,22 @@ class _CallbacksDeferred:
     def __exit__(self, *exc: object) -> None:
         _pending_callbacks.calls = self._outer
         for cb, fut in self._calls:
-            try:
-                cb(fut)
-            except Exception:  # a user callback must not kill the reader
-                log.exception("done-callback of task %d raised", fut.task_id)
+            _run_callback(cb, fut)
+
+
+def _run_callback(cb: Callable[["TransferFuture"], None], fut: "TransferFuture") -> None:
+    """Run a done-callback; whatever it raises is logged, never passed on: on the
+    reader thread even a SystemExit or KeyboardInterrupt would end the thread and
+    with it the client, whose futures would all fail SHUTTING_DOWN though nobody
+    closed it.  Only a KeyboardInterrupt of the main thread (Ctrl-C while a caller
+    ran callbacks) goes on."""
+    try:
+        cb(fut)
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is \
+                threading.main_thread():
+            raise
+        log.exception("done-callback of task %d raised", fut.task_id)
 
 
 class TransferFuture:
@@ -240,10 +252,7 @@ class TransferFuture:
             deferred.extend((cb, self) for cb in callbacks)
             return
         for cb in callbacks:
-            try:
-                cb(self)
-            except Exception:  # a user callback must not kill the reader
-                log.exception("done-callback of task %d raised", self.task_id)
+            _run_callback(cb, self)
 
     # -- public ------------------------------------------------------------------
     def done(self) -> bool:

@@ -146,6 +146,24 @@ class NamespaceOptions(Options):
             raise ValueError(exc.message) from None
 
 
+MAX_WORKERS = 256  # copy threads per rank: past the cores and copy engines they only wait
+
+
+def _workers_problem(v: int) -> str | None:
+    """1 to :data:`MAX_WORKERS`: a host out of threads failed every daemon at start."""
+    return None if 1 <= v <= MAX_WORKERS else (
+        f"must be in [1, {MAX_WORKERS}] (transfer threads per rank; more only wait for the "
+        f"same cores and copy engines), got {v}")
+
+
+def _heartbeat_problem(v: float) -> str | None:
+    """A duration of 10 ms at least: every 1 ns, an idle daemon used a third of a core."""
+    problem = seconds(v)
+    if problem is None and v < 0.01:
+        problem = f"must be at least 0.01 (more often only burns a core), got {v}"
+    return problem
+
+
 def _engine_timeout_problem(v: float) -> str | None:
     """0 (never) or a duration twice the engine heartbeat's default interval at least:
     shorter, a live engine's namespace was torn down between two of its beats."""
@@ -192,8 +210,9 @@ class DaemonOptions(NamespaceOptions):
         help="seconds the start-up barrier (every rank attached its caches) and the clear "
              "barrier wait for all ranks")
     heartbeat_interval_s: float = option(
-        0.1, flag="--heartbeat-interval", parse=float, check=seconds,
-        help="seconds between two heartbeats of a daemon in the signal segment")
+        0.1, flag="--heartbeat-interval", parse=float, check=_heartbeat_problem,
+        help="seconds between two heartbeats of a daemon in the signal segment (at least "
+             "0.01: more often only burns a core)")
     stale_after_s: float = option(
         5.0, flag="--stale-after", parse=float, check=seconds,
         help="a rank whose heartbeat is older than this many seconds aborts the barriers and "
@@ -206,7 +225,7 @@ class DaemonOptions(NamespaceOptions):
              "so a peer cannot make the daemon buffer larger ones (docs/protocol.md "
              "section 2)")
     workers: int = option(
-        2, flag="--workers", parse=int, check=at_least(1),
+        2, flag="--workers", parse=int, check=_workers_problem,
         help="transfer worker threads per rank (independent evicts and loads run concurrently)")
     merge: bool = option(
         True, flag="--no-merge", default_text="off: merging on",
@@ -360,7 +379,7 @@ class LaunchConfig(DaemonOptions):
         help="seconds to wait for every rank to be READY")
     stop_timeout_s: float = option(
         10.0, flag="--stop-timeout", parse=float, check=seconds,
-        help="deadline in seconds of the staged stop: shutdown message, SIGTERM at 50%%, "
+        help="deadline in seconds of the staged stop: SIGTERM (a daemon's clean stop), "
              "SIGKILL at 80%%")
     engine_timeout_s: float = option(
         60.0, flag="--engine-timeout", parse=float, check=_engine_timeout_problem,

@@ -16,8 +16,8 @@ a daemon that exits or reports FAILED ends the wait at once with the error
 lines of its log (:func:`error_lines`), and warnings are passed on as they are
 written, so a failing start is seen in the launch output, not only in a log.
 
-Stopping is staged against one deadline: a ``shutdown`` message to each daemon,
-then SIGTERM at half of the deadline, then SIGKILL at 80 %.
+Stopping is staged against one deadline: SIGTERM to each daemon (its clean stop,
+as a ``shutdown`` request runs it), then SIGKILL at 80 %.
 """
 
 from __future__ import annotations
@@ -35,14 +35,13 @@ from typing import Callable
 
 import numpy as np
 import posix_ipc
-import zmq
 
 from kvswap.client.auth import load_secret
 from kvswap.client.errors import ErrorCode, KvswapError, NamespaceError, NotReady, RankTimeout
 from kvswap.client.layout import demo_layout
 from kvswap.client.monitor import rank_activity
 from kvswap.client.naming import Names
-from kvswap.client.protocol import MAX_SECONDS, Op, check_seconds, encode_request
+from kvswap.client.protocol import MAX_SECONDS, check_seconds
 from kvswap.client.signals import (
     HeaderSlot,
     RankSlot,
@@ -328,7 +327,7 @@ class Launcher:
     def _make_dir(path: Path, flag: str, exist_ok: bool) -> None:
         try:
             path.mkdir(mode=0o700, parents=True, exist_ok=exist_ok)
-        except (FileExistsError, NotADirectoryError, PermissionError) as exc:
+        except OSError as exc:  # exists as a file, a parent missing or not ours, read-only
             raise NamespaceError(f"cannot create the directory {path} ({flag}): {exc.strerror}; "
                                  f"give {flag} a directory this user may write") from None
 
@@ -465,17 +464,14 @@ class Launcher:
         return None
 
     # ------------------------------------------------------------------ stop
-    def _send_shutdown(self, ranks: list[int]) -> None:
-        ctx = zmq.Context(1)
-        try:
-            for r in ranks:
-                s = ctx.socket(zmq.DEALER)
-                s.setsockopt(zmq.LINGER, 200)
-                s.connect(self.names.endpoint(r))
-                s.send_multipart(encode_request(Op.SHUTDOWN, 0), zmq.NOBLOCK)
-                s.close()
-        finally:
-            ctx.term()
+    def _terminate(self, ranks: list[int]) -> None:
+        """SIGTERM, which a daemon takes as ``shutdown`` at any point of its life (held
+        until its I/O loop can run the clean stop).  A signal, not a ``shutdown``
+        message: a message needs a ZeroMQ context, whose I/O thread may be what the
+        host ran out of (libzmq then aborts the launcher, leaving the namespace), and
+        is lost on a daemon that has not bound its socket yet."""
+        for r in ranks:
+            self.procs[r].send_signal(signal.SIGTERM)
 
     def _wait_exit(self, until: float) -> list[int]:
         """Wait for daemons to exit until the monotonic ``until``; return those still alive."""
@@ -498,13 +494,8 @@ class Launcher:
         try:
             alive = [r for r, p in enumerate(self.procs) if p.poll() is None]
             if alive:
-                self._send_shutdown(alive)
-                alive = self._wait_exit(t0 + 0.5 * budget)
-            if alive:
-                log.warning("rank(s) %s ignored shutdown; sending SIGTERM", alive)
-                for r in alive:
-                    self.procs[r].send_signal(signal.SIGTERM)
-                alive = self._wait_exit(t0 + 0.8 * budget)
+                self._terminate(alive)
+                self._wait_exit(t0 + 0.8 * budget)
         finally:
             # Also when the staged stop was interrupted (a second Ctrl-C or SIGTERM):
             # a later stop() returns at once, so this one must finish the job.

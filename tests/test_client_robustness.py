@@ -171,6 +171,32 @@ def test_close_returns_while_the_io_thread_is_stuck_in_a_callback(namespaces, mo
     assert client._ctx.closed  # the I/O thread ended the context itself
 
 
+@pytest.mark.parametrize("raised", [SystemExit, KeyboardInterrupt])
+def test_a_callback_raising_systemexit_does_not_end_the_client(namespaces, caplog, raised):
+    """A done-callback raising SystemExit (sys.exit in it) or KeyboardInterrupt ended
+    the reader thread: every future then failed SHUTTING_DOWN and every call said the
+    client was closed, though nobody closed it.  It is logged; the client serves on."""
+    launcher = namespaces.launch(tp=1, demo_caches=SMALL_LAYOUT)
+    client = _client(launcher)
+    try:
+        pid = launcher.procs[0].pid
+        os.kill(pid, signal.SIGSTOP)  # so the callback runs on the reader thread
+        try:
+            fut = client.evict([1], [1])
+
+            def boom(f):
+                raise raised("from a callback")
+
+            fut.add_done_callback(boom)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert fut.result(20).replies[0].ok
+        assert client.evict([2], [2]).result(20).replies[0].ok  # the reader is alive
+        assert not client.closed and "done-callback of task" in caplog.text
+    finally:
+        client.close()
+
+
 def test_a_batch_of_45000_tasks_is_answered_promptly(namespaces):
     """One batch message of 45,000 tasks used to exceed the daemon's header limit: it
     was refused with request id nil and every future waited for its deadline, then

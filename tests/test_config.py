@@ -209,7 +209,13 @@ BAD = [
     ("kvswapd", ["--log-level", "LOUD"], ["--log-level", "'DEBUG'", "'CRITICAL'"]),
     ("kvswapd", ["--rank", "-1"], ["--rank", "must be >= 0"]),
     ("kvswapd", ["--listen-tcp", "http://h:1"], ["--listen-tcp", "tcp://HOST:PORT"]),
-    ("launch", ["--workers", "0"], ["--workers", "must be >= 1, got 0"]),
+    ("launch", ["--workers", "0"], ["--workers", "must be in [1, 256]", "got 0"]),
+    # a host out of threads failed every daemon, and the launcher's teardown with them
+    ("launch", ["--workers", "100000"], ["--workers", "must be in [1, 256]", "got 100000"]),
+    # every nanosecond: an idle daemon burnt a third of a core
+    ("kvswapd", ["--heartbeat-interval", "1e-9"], ["--heartbeat-interval", "at least 0.01"]),
+    # under the worker's heartbeat: a live engine's namespace was torn down
+    ("launch", ["--engine-timeout", "0.4"], ["--engine-timeout", "0 (never) or at least 1"]),
     ("launch", ["--host-blocks", "many"], ["--host-blocks", "expects an integer, got 'many'"]),
     ("launch", ["--ready-timeout", "0"], ["--ready-timeout", "must be > 0"]),
     ("launch", ["--drain-timeout", "nan"], ["--drain-timeout", "must be > 0"]),
@@ -272,7 +278,7 @@ def test_bad_values_exit_2_naming_the_flag_and_what_it_allows(command, argv, exp
 
 
 @pytest.mark.parametrize("cls,kw,message", [
-    (LaunchConfig, {"workers": 0}, "--workers must be >= 1, got 0"),
+    (LaunchConfig, {"workers": 0}, "--workers must be in [1, 256]"),
     (LaunchConfig, {"host_blocks": "8"}, "--host-blocks must be an integer, got '8'"),
     (LaunchConfig, {"demo_caches": 5}, "--demo-caches must be a string, got 5"),
     (LaunchConfig, {"merge": 0}, "--no-merge must be True or False, got 0"),
@@ -359,7 +365,7 @@ ready-timeout = "30"
 @pytest.mark.parametrize("text, expected", [
     ("namespace = 'n'\ntp = 2\nhost-sise = '1G'\n",
      ["unknown key 'host-sise'", "did you mean 'host-size'?"]),
-    ("namespace = 'n'\ntp = 2\nworkers = 0\n", ["workers = 0: must be >= 1, got 0"]),
+    ("namespace = 'n'\ntp = 2\nworkers = 0\n", ["workers = 0: must be in [1, 256]"]),
     ("namespace = 'n'\ntp = 2.5\n", ["tp = 2.5: must be an integer, got 2.5"]),
     ("namespace = 'n'\ntp = 2\nno-merge = 'yes'\n", ["no-merge = 'yes': want true or false"]),
     ("namespace = 'n'\ntp = 2\nstorage = 'ftp://x'\n", ["unknown scheme 'ftp'"]),

@@ -466,11 +466,43 @@ def test_a_stop_interrupted_midway_still_ends_the_daemons_and_removes_the_namesp
     def interrupted(ranks):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(launcher, "_send_shutdown", interrupted)
+    monkeypatch.setattr(launcher, "_terminate", interrupted)
     with pytest.raises(KeyboardInterrupt):
         launcher.stop()
     assert [p.poll() for p in launcher.procs] == [-9, -9]
     assert names.owned_shm() == [] and not names.run_dir.exists()
+
+
+def test_the_staged_stop_needs_no_zeromq_context(namespaces, monkeypatch):
+    """The stop sent each daemon a shutdown message through a new ZeroMQ context: on
+    a host out of threads libzmq could not start its I/O thread and aborted the
+    launcher (SIGABRT), leaving daemons, shm and the run dir behind.  The stop now
+    signals the daemons; no context is made, and they still stop cleanly (exit 0)."""
+    import zmq
+
+    launcher = namespaces.launch(tp=2, demo_caches=SMALL_LAYOUT)
+    names = launcher.names
+
+    def no_context(*args, **kwargs):
+        raise AssertionError("the stop made a ZeroMQ context")
+
+    monkeypatch.setattr(zmq, "Context", no_context)
+    launcher.stop()
+    assert [p.poll() for p in launcher.procs] == [0, 0]  # their clean stop, not SIGKILL
+    assert names.owned_shm() == [] and not names.run_dir.exists()
+
+
+@pytest.mark.parametrize("flag", ["run_root", "log_dir"])
+def test_a_directory_that_cannot_be_made_is_a_namespace_error(namespaces, flag):
+    """--run-root or --log-dir under /proc (a parent that cannot be created) printed a
+    traceback ending in FileNotFoundError; it is a NamespaceError naming the flag."""
+    kw = {"run_root": "/proc/kvswap-none"} if flag == "run_root" else {
+        "run_root": namespaces.run_root, "log_dir": "/proc/kvswap-none/logs"}
+    launcher = Launcher(LaunchConfig(namespace=namespaces.new().namespace, tp=1,
+                                     demo_caches=SMALL_LAYOUT, host_blocks=8, **kw))
+    with pytest.raises(NamespaceError, match="cannot create the directory /proc/kvswap-none"):
+        launcher.start()
+    assert launcher.names.owned_shm() == []
 
 
 def test_a_launcher_starts_once_and_one_per_namespace_in_a_process(namespaces):

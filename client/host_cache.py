@@ -67,6 +67,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import operator
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, NamedTuple, Sequence
@@ -726,11 +727,11 @@ def _check_persistable(hashes: Sequence[Hashable]) -> None:
 def _check_self_equal(hashes: Sequence[Hashable]) -> None:
     """A hash unequal to itself (a float NaN) could never be found again: its block
     would stay pending for good, and ``clear()`` refused with it."""
-    for i, h in enumerate(hashes):
-        if h != h:
-            raise ValueError(f"prepare_store: hash #{i} ({show(h)}) is not equal to itself (a "
-                             f"NaN?), so it could never be looked up or completed; use ints or "
-                             f"the bytes block_hashes() returns")
+    if any(map(operator.ne, hashes, hashes)):  # a C loop: this is on the hot path
+        i = next(i for i, h in enumerate(hashes) if h != h)
+        raise ValueError(f"prepare_store: hash #{i} ({show(hashes[i])}) is not equal to itself "
+                         f"(a NaN?), so it could never be looked up or completed; use ints or "
+                         f"the bytes block_hashes() returns")
 
 
 def _check_pairs(client: "TransferClient", hashes: list, dev: np.ndarray,

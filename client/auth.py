@@ -31,6 +31,7 @@ from kvswap.client.errors import ErrorCode, KvswapError
 MAC_BYTES = 32
 _SECOND_NS = 10**9  # the replay guard forgets a second's macs at once
 MIN_SECRET_BYTES = 16
+MAX_SECRET_FILE_BYTES = 64 << 10
 
 
 class AuthFailed(KvswapError):
@@ -38,10 +39,17 @@ class AuthFailed(KvswapError):
 
 
 def load_secret(path: str | os.PathLike) -> bytes:
-    """Read a shared secret; the file must not be readable by group or others."""
+    """Read a shared secret; the file must be a regular file of at most
+    :data:`MAX_SECRET_FILE_BYTES`, not readable by group or others.  Checked before
+    it is read: a FIFO would block the read for ever and ``/dev/zero`` never end it."""
     p = Path(path)
     try:
-        mode = p.stat().st_mode
+        st = p.stat()
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SECRET_FILE_BYTES:
+            raise AuthFailed(f"secret file {p} is not a regular file of at most "
+                             f"{MAX_SECRET_FILE_BYTES} bytes; write the secret into a file of "
+                             f"its own (e.g. head -c 32 /dev/urandom > F; chmod 600 F)")
+        mode = st.st_mode
         data = p.read_bytes().strip()
     except OSError as exc:
         raise AuthFailed(f"cannot read secret file {p}: {exc.strerror}") from None
@@ -90,11 +98,21 @@ class ReplayGuard:
     200: tracemalloc over 60,000 macs).  Two fresh macs share a prefix with a chance
     of 2**-64 (the later request is refused, as a replay), and making a mac with a
     chosen prefix takes the secret.  ``clock``: wall-clock ns (tests pass their own).
+
+    The memory dies with the daemon, so a restarted daemon (or a relaunched
+    namespace) would take a replay of what its predecessor received inside the
+    window.  ``not_before_ns`` closes that: the daemon's start, before which no
+    request to it was signed (a client re-sends with a fresh ``ts``), so an older
+    ``ts`` is refused.  The cost is a client clock behind the daemon's by more than
+    a daemon's start-up (half a second and more: journal, attach): its first
+    requests after a restart are refused too, and their tasks time out.
     """
 
-    def __init__(self, window_s: float = 60.0, clock: Callable[[], int] = time.time_ns):
+    def __init__(self, window_s: float = 60.0, clock: Callable[[], int] = time.time_ns,
+                 not_before_ns: int = 0):
         self.window_ns = int(window_s * 1e9)
         self._clock = clock
+        self.not_before_ns = not_before_ns  # the daemon's start: older is an earlier one's
         self._seen: set[int] = set()
         self._expiring: dict[int, list[int]] = {}  # second it may be forgotten -> prefixes
         self._swept = clock() // _SECOND_NS  # seconds up to this one are forgotten
@@ -107,6 +125,11 @@ class ReplayGuard:
         if abs(now - ts_ns) > self.window_ns:
             raise AuthFailed(f"request timestamp is {abs(now - ts_ns) / 1e9:.0f}s away from the "
                              f"daemon's clock (window {self.window_ns / 1e9:.0f}s)")
+        if ts_ns < self.not_before_ns:
+            raise AuthFailed(f"request signed {(self.not_before_ns - ts_ns) / 1e9:.3f}s before "
+                             f"this daemon started: a replay of traffic to an earlier daemon "
+                             f"of this rank, whose replay memory died with it (or a client "
+                             f"clock behind the daemon's: keep clocks in sync, e.g. NTP)")
         key = int.from_bytes(digest[:8], "little")
         if key in self._seen:
             raise AuthFailed("replayed message")

@@ -10,11 +10,14 @@ supervisor would give up on the namespace.
 :class:`ConnectionGuard` lets connections use the first quarter of
 ``RLIMIT_NOFILE`` and keeps the rest for the daemon's own needs (shm segments,
 storage files and sockets, CUDA driver handles) and as head room for the
-connections libzmq accepts before the guard sees them::
+connections libzmq accepts before the guard sees them.  ``tcp://`` connections
+get only the first eighth: anyone who reaches the port can open them without
+the secret, and holding them all must not lock the namespace's own local peers
+(workers, clients, the launcher) out of ``ipc://``::
 
-    0 ............ limit/4 ............................................ limit
-    | kept         | refused at once: head room for a burst of connections |
-                   ^ threshold
+    0 ........ limit/8 ........ limit/4 .................................. limit
+    | tcp, ipc | ipc only       | refused at once: head room for a burst     |
+               ^ tcp_threshold  ^ threshold
 
 A rank serves a handful of peers (the engine's clients and workers, the
 launcher, monitors), so a quarter is far more than they need: 256 connections
@@ -90,6 +93,7 @@ class ConnectionGuard:
     def __init__(self, ctx: zmq.Context, routers: list[zmq.Socket]):
         self.limit = fd_limit()
         self.threshold = self.limit // 4
+        self.tcp_threshold = self.limit // 8
         self.refused = 0  # connections shut down (guard thread writes, others read)
         self._reported = 0  # refusals already counted in a log line
         self._reported_at = -LOG_EVERY_S  # monotonic time of the last report
@@ -154,8 +158,10 @@ class ConnectionGuard:
                     event = parse_monitor_message(frames)
                     kind = event["event"]
                     if kind == zmq.EVENT_ACCEPTED:
-                        if event["value"] >= self.threshold:
-                            self._refuse(event["value"], event["endpoint"].decode())
+                        endpoint = event["endpoint"].decode()
+                        if event["value"] >= (self.tcp_threshold if endpoint.startswith("tcp://")
+                                              else self.threshold):
+                            self._refuse(event["value"], endpoint)
                     elif kind == zmq.EVENT_ACCEPT_FAILED:
                         log.error("accept failed on %s: %s", event["endpoint"].decode(),
                                   os.strerror(event["value"]))

@@ -118,7 +118,10 @@ class IoLoop:
         self._rank = rank
         self._secret = secret
         cfg = rank.cfg
-        self._replays = ReplayGuard(cfg.replay_window_s)  # I/O thread
+        # I/O thread: no request to this daemon was signed before it started
+        self._replays = ReplayGuard(cfg.replay_window_s, not_before_ns=time.time_ns())
+        # I/O thread: tcp:// peers already refused unauthenticated, each answered once
+        self._refused_peers: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._pause_waiters: list[Job] = []  # I/O thread: pause requests answered once drained
         self.max_frame_bytes = max_frame_bytes(cfg.max_device_blocks, cfg.host_blocks_bound)
         self.ctx = zmq.Context(1)
@@ -273,6 +276,26 @@ class IoLoop:
         self._rank.stats.error(exc.code)
         self.reply(route, req_id, exc.code, exc.message)
 
+    def _refuse_unauthenticated(self, route: Route, exc: KvswapError) -> None:
+        """Refuse a tcp:// message that did not authenticate (unsigned, a bad MAC, a
+        replay, a stale ``ts``, too many frames), answering each peer connection once.
+
+        Every answer is queued for the peer (``SNDHWM`` 0: _bind), so a peer without
+        the secret that sends and never reads would make the daemon hold a reply per
+        message, without bound (measured: 240 MB in 100 s).  One answer tells a
+        client with a wrong secret or clock what is wrong; later ones are counted
+        and logged, not sent.  The set of refused peers is bounded above the number
+        of connections the guard lets in, so a live connection is never forgotten."""
+        peers = self._refused_peers
+        if route.ident in peers:
+            log.warning("refused again, not answered: %.200r", exc.message)
+            self._rank.stats.error(exc.code)
+            return
+        peers[route.ident] = None
+        if len(peers) > 2 * self._guard.threshold:
+            peers.popitem(last=False)
+        self.reject(route, None, "request", exc)
+
     def _on_request(self, handlers: dict[Op, Handler], frames: list, dropped: int,
                     sock: zmq.Socket, signed: bool) -> None:
         t_recv = time.perf_counter_ns()
@@ -280,12 +303,15 @@ class IoLoop:
         if dropped:
             # Under its id on ipc://; on tcp:// the MAC covers frames never read, so the
             # header is not authenticated and its id is not echoed (as for a bad MAC).
-            req_id = None if signed else peek_request_id(frames[1].buffer)
-            self.reject(route, req_id, "request", KvswapError(
+            exc = KvswapError(
                 f"message of {len(frames) - 1 + dropped} frames; a request has at most "
                 f"{MAX_FRAMES} (a header and two id frames per batch task"
                 f"{', after the MAC' if signed else ''}), the rest were discarded unread",
-                ErrorCode.MESSAGE_TOO_LARGE))
+                ErrorCode.MESSAGE_TOO_LARGE)
+            if signed:
+                self._refuse_unauthenticated(route, exc)
+            else:
+                self.reject(route, peek_request_id(frames[1].buffer), "request", exc)
             return
         body = [f.buffer for f in frames[1:]]
         try:
@@ -294,11 +320,11 @@ class IoLoop:
             req = decode_request(body)
             if signed:
                 self._replays.check(digest, req.header.get("ts"))
-        except RequestError as exc:
+        except RequestError as exc:  # signed: the MAC checked out, the peer holds the secret
             self.reject(route, exc.req_id, "request", exc)
             return
         except AuthFailed as exc:
-            self.reject(route, None, "request", exc)
+            self._refuse_unauthenticated(route, exc)
             return
         job = Job(route, req.id, req.op, t_recv, req.header)
         handler = handlers[req.op]

@@ -390,7 +390,8 @@ class Launcher:
         Each turn it reads the ranks' new log lines (``on_log(rank, line)`` gets those
         logged at WARNING or above) and states (``on_progress(rows)`` gets
         :meth:`rank_rows`).  Fails fast with :class:`NotReady` naming the rank, its
-        error lines and its log if a daemon exits or reports FAILED; raises
+        error lines and its log if a daemon exits before it served or reports FAILED
+        (one that exits after it served is restarted by the supervision); raises
         :class:`RankTimeout` at the deadline and :class:`KvswapError`
         (SHUTTING_DOWN) as soon as ``stop()`` is true."""
         if self.seg is None:
@@ -414,7 +415,8 @@ class Launcher:
                 pass_logs()  # what was logged before the stop, to the last line
                 raise KvswapError("interrupted while waiting for READY", ErrorCode.SHUTTING_DOWN)
             for r, rc in self.dead_ranks():
-                raise self._failure(r, f"exited with status {rc}")
+                if self.seg.state_of(r) not in SERVED:  # one that served: the supervisor's
+                    raise self._failure(r, f"exited with status {rc}")
             for r in range(self.cfg.tp):
                 if self.seg.state_of(r) == RankState.FAILED:
                     raise self._failure(r, "FAILED")

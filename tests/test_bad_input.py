@@ -172,13 +172,13 @@ def test_frames_under_the_limit_cost_one_message_at_a_time(target):
     (128 MiB) plus 32 MiB."""
     rss_before = _status_kib(target.pid, "VmRSS")
     frame = np.zeros(FRAME_LIMIT, np.uint8)
-    attacker = Attacker(target.endpoint, target.signed)
-    try:
-        expected = ErrorCode.AUTH_FAILED if target.signed else ErrorCode.BAD_FRAMES
-        for _ in range(3):
+    expected = ErrorCode.AUTH_FAILED if target.signed else ErrorCode.BAD_FRAMES
+    for _ in range(3):  # a connection each: tcp:// answers a connection's refusal once
+        attacker = Attacker(target.endpoint, target.signed)
+        try:
             assert attacker.send(_ping_frames(target.signed) + [frame] * 16) == expected
-    finally:
-        attacker.close()
+        finally:
+            attacker.close()
     target.assert_serving()
     peak = _status_kib(target.pid, "VmHWM")
     print(f"\nRSS {rss_before} KiB before, peak {peak} KiB after 3 x 16 x {FRAME_LIMIT} B")
@@ -252,11 +252,11 @@ class LimitedLauncher(Launcher):
         return [cmd[0], "-c", _LIMIT_THEN_EXEC.format(soft=soft, hard=hard), *cmd[1:]]
 
 
-def _launch_limited(namespaces, soft: int, hard: int) -> Launcher:
+def _launch_limited(namespaces, soft: int, hard: int, **kw) -> Launcher:
     names = namespaces.new()
     launcher = LimitedLauncher(LaunchConfig(namespace=names.namespace, tp=1,
                                             run_root=namespaces.run_root, demo_caches=LAYOUT,
-                                            host_blocks=HOST_BLOCKS, stop_timeout_s=6.0),
+                                            host_blocks=HOST_BLOCKS, stop_timeout_s=6.0, **kw),
                                soft, hard)
     namespaces.launchers.append(launcher)
     launcher.start()
@@ -311,6 +311,36 @@ def test_connection_flood_is_refused_not_fatal(namespaces):
     with TransferClient(names.namespace, 1, run_root=str(names.run_root)) as late:
         assert late.ping().result(10).replies[0].fields["pid"] == pid
     assert int(launcher.seg.ranks[0, RankSlot.PID]) == pid
+
+
+def test_idle_tcp_connections_leave_room_for_local_clients(namespaces, tmp_path):
+    """Idle tcp:// connections, which anyone who reaches the port can open without
+    the secret, took every place under the guard's threshold, so a new local
+    ipc:// client (or a worker's register) was refused too.  tcp:// connections get
+    only the first eighth of the open-file limit; ipc:// ones the first quarter."""
+    n = 300  # past limit/4 = 256 with hard limit 1024; tcp:// gets limit/8 = 128
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 2 * n + 64:
+        pytest.skip(f"the flooding process needs {2 * n + 64} open files")
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    secret.chmod(0o600)
+    port = free_port()
+    launcher = _launch_limited(namespaces, soft=1024, hard=1024, tcp=f"127.0.0.1:{port}",
+                               secret_file=str(secret))
+    names, log_path = launcher.names, launcher.names.log_path(0)
+    flood = subprocess.Popen([sys.executable, "-c", _FLOOD, f"tcp://127.0.0.1:{port}", str(n)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert flood.stdout.readline().strip() == "connected"
+        assert poll_until(lambda: True if "connection(s) on tcp://" in log_path.read_text()
+                          else None, time.monotonic() + 30), "no tcp:// refusal was logged"
+        with TransferClient(names.namespace, 1, run_root=str(names.run_root),
+                            path="zmq") as local:
+            assert local.ping().result(10).replies[0].ok
+            assert local.evict([1], [1]).result(10).replies[0].ok
+    finally:
+        flood.stdin.close()
+        flood.wait(30)
 
 
 # ------------------------------------------------------------------ register

@@ -216,6 +216,24 @@ def test_batch_in_flight_at_a_restart_is_resent_whole(namespaces):
         client.close()
 
 
+def test_a_rank_killed_after_it_served_is_restarted_even_before_the_launch_saw_ready(namespaces):
+    """Every rank was READY (one had served clients) when rank 0 was killed, before
+    the launch's wait for READY looked again: it reported "exited with status -9
+    before READY" and tore the namespace down.  A rank that served is the
+    supervisor's to restart; the wait returns and rank 0 comes back."""
+    launcher = namespaces.launch(tp=2, demo_caches=LAYOUT, host_blocks=HOST, wait=False,
+                                 supervision=SupervisorConfig(backoff_s=0.05))
+    seg = launcher.seg
+    _until(lambda: all(seg.state_of(r) is RankState.READY for r in range(2)), 30, "READY")
+    os.kill(launcher.procs[0].pid, signal.SIGKILL)
+    launcher.procs[0].wait(10)
+    launcher.wait_ready(10)  # no NotReady: rank 0 had served
+    with Supervising(launcher) as sup:
+        _until(lambda: int(seg.ranks[0, RankSlot.EPOCH]) == 2
+               and seg.state_of(0) is RankState.READY, 30, "rank 0's restart")
+        assert sup.reasons == []
+
+
 def test_rank_is_fatal_after_retry_limit(namespaces):
     launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, host_blocks=HOST,
                                  supervision=SupervisorConfig(max_retries=0))

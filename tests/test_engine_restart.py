@@ -60,6 +60,15 @@ def _new_worker(names, rank: int, tensor_names=NAMES) -> tuple[CacheWorker, list
     return worker, tensors
 
 
+def _register_patterned(workers: list[tuple[CacheWorker, list[CacheTensor]]]) -> None:
+    """Fill block i of tensor t of rank r with pattern(r, t, i) and register each rank."""
+    for r, (worker, tensors) in enumerate(workers):
+        for t, ct in enumerate(tensors):
+            for i in range(BLOCKS):
+                ct.array[i] = _pattern(r, t, i)
+        worker.register(tensors, timeout=30)
+
+
 def _release(workers: list[CacheWorker], names) -> None:
     """Close the workers and unlink every device tensor a worker of the test made
     (those of a killed engine process too)."""
@@ -156,11 +165,7 @@ def test_a_daemon_restarted_while_the_engine_was_down_joins_the_new_engine(names
     first = [_new_worker(names, r) for r in range(TP)]
     workers = [w for w, _ in first]
     try:
-        for r, (worker, tensors) in enumerate(first):
-            for t, ct in enumerate(tensors):
-                for i in range(BLOCKS):
-                    ct.array[i] = _pattern(r, t, i)
-            worker.register(tensors, timeout=30)
+        _register_patterned(first)
         launcher.wait_ready(30)
         dev, host = list(range(8)), list(range(20, 28))
         with TransferClient(names.namespace, TP, run_root=str(names.run_root)) as client:
@@ -249,11 +254,7 @@ def test_a_replace_that_failed_after_detaching_is_completed_only_with_the_same_l
     first = [_new_worker(names, r) for r in range(TP)]
     workers = [w for w, _ in first]
     try:
-        for r, (worker, tensors) in enumerate(first):
-            for t, ct in enumerate(tensors):
-                for i in range(BLOCKS):
-                    ct.array[i] = _pattern(r, t, i)
-            worker.register(tensors, timeout=30)
+        _register_patterned(first)
         launcher.wait_ready(30)
         with TransferClient(names.namespace, TP, run_root=str(names.run_root)) as client:
             assert all(r.ok for r in client.evict(list(range(8)), list(range(8))).result(20)

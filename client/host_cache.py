@@ -67,7 +67,6 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import operator
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, NamedTuple, Sequence
@@ -395,8 +394,6 @@ class HostCache:
             self._drain()
         if self._persist is not None:
             _check_persistable(hashes)
-        else:
-            _check_self_equal(hashes)
         planned = self._index.prepare_store(hashes)
         if planned is None:
             self._store_refusals += 1
@@ -722,16 +719,6 @@ def _check_persistable(hashes: Sequence[Hashable]) -> None:
             raise ValueError(f"prepare_store: hash #{i} ({show(h)}) is not {KEY_BYTES} bytes; a "
                              f"HostCache with persist= keeps the 32-byte hashes block_hashes() "
                              f"returns")
-
-
-def _check_self_equal(hashes: Sequence[Hashable]) -> None:
-    """A hash unequal to itself (a float NaN) could never be found again: its block
-    would stay pending for good, and ``clear()`` refused with it."""
-    if any(map(operator.ne, hashes, hashes)):  # a C loop: this is on the hot path
-        i = next(i for i, h in enumerate(hashes) if h != h)
-        raise ValueError(f"prepare_store: hash #{i} ({show(hashes[i])}) is not equal to itself "
-                         f"(a NaN?), so it could never be looked up or completed; use ints or "
-                         f"the bytes block_hashes() returns")
 
 
 def _check_pairs(client: "TransferClient", hashes: list, dev: np.ndarray,

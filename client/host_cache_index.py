@@ -23,6 +23,7 @@ Not thread-safe: the HostCache that owns the index is used by one thread.
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from typing import Hashable, Sequence
 
@@ -152,12 +153,19 @@ class BlockIndex:
     # ------------------------------------------------------------------ stores
     def prepare_store(self, hashes: Hashes) -> tuple[list, list[int], list] | None:
         """(new hashes, their host ids, evicted hashes oldest first), or None when the
-        new blocks cannot all get an id (then nothing changed)."""
-        wanted = dict.fromkeys(hashes)  # call order, duplicates once
+        new blocks cannot all get an id (then nothing changed).  A new hash unequal to
+        itself (a float NaN) is refused: it could never be found again, so its block
+        would stay pending for good (and ``clear()`` refused with it)."""
+        wanted = dict.fromkeys(hashes)  # call order, duplicates once; unhashable: TypeError
         blocks = self._blocks
         new = [h for h in wanted if h not in blocks]
         if not new:
             return new, [], []
+        if any(map(operator.ne, new, new)):  # one C loop: this is the scheduler's hot path
+            i = next(i for i, h in enumerate(hashes) if h != h)
+            raise ValueError(f"prepare_store: hash #{i} ({show(hashes[i])}) is not equal to "
+                             f"itself (a NaN?), so it could never be looked up or completed; "
+                             f"use ints or the bytes block_hashes() returns")
         self._plan_store(new)
         free = self._free
         need = len(new) - len(free)

@@ -467,11 +467,12 @@ class Launcher:
 
     # ------------------------------------------------------------------ stop
     def _terminate(self, ranks: list[int]) -> None:
-        """SIGTERM, which a daemon takes as ``shutdown`` at any point of its life (held
-        until its I/O loop can run the clean stop).  A signal, not a ``shutdown``
-        message: a message needs a ZeroMQ context, whose I/O thread may be what the
-        host ran out of (libzmq then aborts the launcher, leaving the namespace), and
-        is lost on a daemon that has not bound its socket yet."""
+        """SIGTERM, which a daemon takes as ``shutdown`` (held from the moment it opens
+        its rank until its I/O loop can run the clean stop; before that it has nothing
+        to clean and ends at once).  A signal, not a ``shutdown`` message: a message
+        needs a ZeroMQ context, whose I/O thread may be what the host ran out of
+        (libzmq then aborts the launcher, leaving the namespace), and is lost on a
+        daemon that has not bound its socket yet."""
         for r in ranks:
             self.procs[r].send_signal(signal.SIGTERM)
 

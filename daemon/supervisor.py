@@ -4,19 +4,22 @@ Each rank's process moves through these states (after supervisord's):
 
     STARTING --(rank publishes READY, PAUSED, CLEARING or CLEARED)--> RUNNING
     STARTING/RUNNING --(process exited, heartbeat stale, or FAILED)--> BACKOFF
-    STARTING/RUNNING --(exited after a stop it was asked for)--------> STOPPED
+    STARTING/RUNNING --(exited 0: a stop it was asked for)-----------> STOPPED
     BACKOFF --(delay elapsed, retries left)--------------------------> STARTING (respawn)
     BACKOFF --(retries exhausted)------------------------------------> FATAL
     RUNNING --(up for reset_after_s)-----------------------------------> (retry count reset)
 
 A daemon asked to stop (a client's ``shutdown``, SIGTERM or SIGINT sent to it) is
 not restarted: its clean stop unlinked the host pool and the journal, and a
-restart would undo what was asked.  The supervisor knows the stop was asked for
-when the process exits with status 0 (a daemon exits 0 only after a clean stop)
-or after the rank published STOPPING, whatever its status then; it leaves a rank
-that goes FAILED during its stop (STOPPING -> FAILED) to finish it.  A rank
-STOPPED leaves its namespace unable to serve, so the launcher then tears the
-namespace down (``Launcher.supervise_once``).
+restart would undo what was asked.  The supervisor tells it by the exit status 0,
+which only a clean stop gives; any other status is a failure, also after the rank
+published STOPPING (the I/O loop's crash stops the daemon too, with status 1, and
+a stop still draining at ``--drain-timeout`` ends with status 3: what it left is
+not known, and a restart re-adopts and replays it).  While the rank is STOPPING
+it is neither killed for going silent nor for going FAILED (STOPPING -> FAILED:
+a fence at its cap, say): its stop is left to finish.  A rank STOPPED leaves its
+namespace unable to serve, so the launcher then tears the namespace down
+(``Launcher.supervise_once``).
 
 A silent daemon (heartbeat older than ``stale_after_s`` while its process is
 still there: wedged, or SIGSTOPped) is killed with SIGKILL first, so there is
@@ -73,7 +76,7 @@ class RankProcess:
     since: float = 0.0  # when the current state began (monotonic)
     retry_at: float = 0.0
     served: bool = False  # a daemon of this rank has served (any incarnation): FAILED restarts
-    stopping: bool = False  # this process published STOPPING: its stop was asked for
+    stopping: bool = False  # this process published STOPPING: left to end its stop
 
 
 @dataclass
@@ -162,9 +165,8 @@ class Supervisor:
                     rp.stopping = True
                 rc = rp.proc.poll()
                 if rc is not None:
-                    if rc == 0 or rp.stopping:
-                        log.warning("rank %d stopped on request (exit status %d): not "
-                                    "restarted", rp.rank, rc)
+                    if rc == 0:
+                        log.warning("rank %d stopped on request: not restarted", rp.rank)
                         self._to(rp, ProcState.STOPPED, now)
                     else:
                         self._failed(rp, now, f"exited with status {rc}")

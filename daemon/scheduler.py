@@ -19,9 +19,17 @@ READY tasks never overlap each other or a running task, or one of them would be
 waiting for the other.  Layer-wise loads are never merged (they publish
 per-layer progress of their own).
 
-Cancellation removes a task that has not started; its dependents are released
-as if it had finished (it changed nothing).  A task that has started always
-completes.
+Cancellation removes a task that has not started: it is answered CANCELLED at
+once and changes nothing.  A READY one (nothing earlier left to wait for) leaves
+the order at once, releasing its dependents as if it had finished.  A WAITING one
+stays in the order as a no-op until its own predecessors have finished, and only
+then releases its dependents: the transitivity above rests on each last toucher
+having waited for every earlier one, so a task that depends only on the cancelled
+one (its last toucher) must still wait for what the cancelled one waited for.
+Released at the cancel, it ran before an earlier overlapping task it never saw
+(evict A into host 0, then a load X from host 0, then an evict Y into host 0: X
+cancelled while A waited let Y write host 0 before A).  A task that has started
+always completes.
 
 An *agreed* op (``OpSpec.agreed``: a prefetch, whose count every rank agrees
 on) also waits for the previous agreed op, blocks or not.  The ranks' storage
@@ -212,12 +220,15 @@ class Scheduler:
                 self._release(t)
 
     def cancel(self, match: Callable[[Task], bool]) -> Task | None:
-        """Cancel the first not-yet-started task for which ``match`` holds."""
+        """Cancel the first not-yet-started task for which ``match`` holds (see the
+        module docstring: a WAITING one leaves the order only once its predecessors
+        have finished)."""
         with self._lock:
             for task in self._live.values():
                 if task.state in NOT_STARTED and match(task):
                     task.state = TaskState.CANCELLED  # lazily dropped from its ready heap
-                    self._release(task)
+                    if task.deps == 0:
+                        self._release(task)
                     return task
         return None
 
@@ -239,7 +250,8 @@ class Scheduler:
                        if t.state in NOT_STARTED]
             for t in dropped:
                 t.state = TaskState.CANCELLED
-                del self._live[t.seq]
+            for t in [t for t in self._live.values() if t.state is TaskState.CANCELLED]:
+                del self._live[t.seq]  # the dropped, and cancelled ones still in the order
             for heap in self._ready.values():
                 heap.clear()
             for cv in self._wake.values():
@@ -253,8 +265,9 @@ class Scheduler:
 
     @property
     def pending(self) -> int:
+        """Tasks admitted and not finished (not those cancelled, answered already)."""
         with self._lock:
-            return len(self._live)
+            return sum(t.state is not TaskState.CANCELLED for t in self._live.values())
 
     # ------------------------------------------------------------------ internals (lock held)
     def _make_ready(self, task: Task) -> None:
@@ -265,13 +278,22 @@ class Scheduler:
         self._wake_of[task.op].notify()
 
     def _release(self, task: Task) -> None:
-        """``task`` is finished or cancelled: forget it and wake its dependents."""
-        self._live.pop(task.seq, None)
-        for dep in task.dependents:
-            dep.deps -= 1
-            if dep.deps == 0 and dep.state is TaskState.WAITING:
-                self._make_ready(dep)
-        task.dependents = []
+        """``task`` is finished, or cancelled with nothing left to wait for: forget it
+        and wake its dependents.  A dependent cancelled while it waited is released
+        in turn once this was its last predecessor (a worklist: a chain of cancelled
+        tasks must not recurse)."""
+        todo = [task]
+        while todo:
+            t = todo.pop()
+            self._live.pop(t.seq, None)
+            for dep in t.dependents:
+                dep.deps -= 1
+                if dep.deps == 0:
+                    if dep.state is TaskState.WAITING:
+                        self._make_ready(dep)
+                    elif dep.state is TaskState.CANCELLED:
+                        todo.append(dep)
+            t.dependents = []
 
     def _pop_ready(self, op: Op) -> Task | None:
         heap = self._ready[op]

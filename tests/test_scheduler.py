@@ -220,6 +220,28 @@ def test_cancel_waiting_task_releases_dependents(make):
     assert all(b != [1] for b in gate.started)
 
 
+@pytest.mark.parametrize("later_first", [False, True])
+def test_a_cancelled_waiting_task_keeps_later_tasks_behind_what_it_waited_for(make,
+                                                                              later_first):
+    """A evicts into host 1 (running), X loads host 1 (waits for A), Y evicts into
+    host 1 again: Y's last toucher of host 1 is X.  Cancelling X released Y at once,
+    so Y wrote host 1 before A did and A's bytes won (black-box attack: ten of ten
+    runs).  X, cancelled while it waited, stays in the order as a no-op until A has
+    finished: Y waits for A, whether it came before the cancel or after."""
+    s, gate = make(workers=2)
+    s.submit(Op.EVICT, ids(1), ids(1), ctx=0)  # A
+    assert gate.wait_started(1) == [[0]]
+    x = s.submit(Op.LOAD, ids(3), ids(1), ctx=1)  # X: reads host 1, waits for A
+    y = s.submit(Op.EVICT, ids(5), ids(1), ctx=2) if later_first else None
+    assert s.cancel(lambda t: t.ctx == 1) is x and x.state is TaskState.CANCELLED
+    if y is None:
+        y = s.submit(Op.EVICT, ids(5), ids(1), ctx=2)  # Y: writes host 1
+    assert y.state is TaskState.WAITING and s.pending == 2  # A and Y; X is answered
+    gate.release(0)
+    assert gate.wait_started(2) == [[0], [2]]  # Y after A; X never ran
+    gate.release(2)
+
+
 def test_stop_returns_unstarted_tasks(make):
     s, gate = make(workers=1)
     s.submit(Op.EVICT, ids(1), ids(1), ctx=0)

@@ -540,6 +540,25 @@ class _Dispatcher:
         for q in self._backlog:
             q.clear()
 
+    def drop_waiting(self, task_id: int) -> bool:
+        """Cancel the write-back load ``task_id`` if it is still held for its evict:
+        never sent, no rank knows its id, so a ``cancel`` would answer false and the
+        load would run later.  It fails CANCELLED on every rank here; False if it is
+        not held (sent already, or not a write-back load)."""
+        for evict_id, envs in self._waiting.items():
+            for env in envs:
+                if env.carrier.task_id == task_id:
+                    envs.remove(env)
+                    if not envs:
+                        del self._waiting[evict_id]
+                    f = env.carrier
+                    f._finish(error=TransferFailed(f.task_id, f.op.value, [
+                        RankFailure(r, ErrorCode.CANCELLED, f"write-back load {f.task_id} "
+                                    f"cancelled before it was sent (its evict had not "
+                                    f"completed): nothing was copied") for r in f.ranks]))
+                    return True
+        return False
+
     def internal_error(self, where: str, exc: BaseException,
                        futures: Iterable[TransferFuture]) -> None:
         """A bug costs the futures it touched, never the client."""
@@ -1156,6 +1175,17 @@ class TransferClient:
         return fut
 
     def _cancel(self, target: TransferFuture) -> TransferFuture:
+        """A ``cancel`` to every rank, or, for a write-back load still held for its evict,
+        done here: the load fails CANCELLED on every rank, and so does the returned
+        future's every reply say ``cancelled`` true."""
+        with _CallbacksDeferred(), self._lock:
+            self._check_open()
+            if self._io.drop_waiting(target.task_id):
+                fut = self._new_future(Op.CANCEL)
+                fut._finish(result=TaskResult(fut.task_id, Op.CANCEL.value, {
+                    r: Reply(fut.task_id, r, True, ErrorCode.OK, "", fields={"cancelled": True})
+                    for r in range(self.tp_size)}))
+                return fut
         return self._control(Op.CANCEL, {"target": target.task_id})
 
     def _check(self, spec: Any, limits: tuple[int, int], where: str

@@ -383,6 +383,37 @@ def test_a_claimed_pass_holds_one_direction_and_at_most_max_merge_blocks(namespa
 # ------------------------------------------------------------------ write policies
 
 
+def test_a_write_back_load_held_for_its_evict_is_cancelled_on_the_client(namespaces):
+    """A write-back load waits on the client until its evict has completed, so no
+    rank knows its id: its cancel was sent, answered ``cancelled: false``, and the
+    load ran later, over device blocks the engine may have reused.  Held, it is
+    cancelled on the client: CANCELLED on every rank, the cancel's replies true,
+    and its destination keeps what it held."""
+    launcher = namespaces.launch(tp=2, demo_caches=TINY, host_blocks=TINY_HOST)
+    tensors = [TensorDesc(t.name, t.layer, t.dtype, t.shape) for t in demo_layout(TINY)]
+    views = [RankView(launcher.names, r, tensors, TINY_HOST) for r in range(2)]
+    pid1 = launcher.procs[1].pid
+    try:
+        with _client(launcher) as client:
+            before = [v.device[0][6].copy() for v in views]
+            os.kill(pid1, signal.SIGSTOP)  # the evict cannot complete: the load is held
+            try:
+                ev, ld = client.submit_swap(evict=([1], [4]), load=([2], [6]),
+                                            policy="write_back")
+                replies = ld.cancel().result(10).replies
+                assert {r: rep.fields["cancelled"] for r, rep in replies.items()} == {0: True,
+                                                                                        1: True}
+                assert ld.cancelled()
+            finally:
+                os.kill(pid1, signal.SIGCONT)
+            assert ev.result(20)
+            assert client.ping().result(20)  # every rank has answered what came before
+            assert all(np.array_equal(v.device[0][6], b) for v, b in zip(views, before))
+    finally:
+        for v in views:
+            v.close()
+
+
 @pytest.mark.parametrize("policy, rank0_done_while_rank1_stopped", [
     ("write_through", 2),  # both tasks went out at once
     ("write_back", 1),  # the load waits for the evict on every rank

@@ -27,8 +27,9 @@ the evict whose block it marks, so a block's bytes are never in a pool older
 than the one recorded.  (Recorded at ``ready`` instead, a pool replaced between
 the transfer and its bookkeeping would be trusted for a block it never held.)
 A successor also discards a mirror that is not consistent (a key in two ready
-blocks, a stamp at or past the next one): only a damaged segment looks so.  Keys are the 32-byte block hashes that
-``block_hashes()`` returns (a persisted index stores bytes, not Python objects).
+blocks, a stamp at or past the next one): only a damaged segment looks so.
+Keys are the 32-byte block hashes that ``block_hashes()`` returns (a persisted
+index stores bytes, not Python objects).
 
 ::
 

@@ -44,13 +44,19 @@ def load_secret(path: str | os.PathLike) -> bytes:
     it is read: a FIFO would block the read for ever and ``/dev/zero`` never end it."""
     p = Path(path)
     try:
-        st = p.stat()
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SECRET_FILE_BYTES:
-            raise AuthFailed(f"secret file {p} is not a regular file of at most "
-                             f"{MAX_SECRET_FILE_BYTES} bytes; write the secret into a file of "
-                             f"its own (e.g. head -c 32 /dev/urandom > F; chmod 600 F)")
-        mode = st.st_mode
-        data = p.read_bytes().strip()
+        # One open, and every check on what it opened (a path checked and then read
+        # could be swapped in between); O_NONBLOCK so that opening a FIFO cannot block.
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SECRET_FILE_BYTES:
+                raise AuthFailed(f"secret file {p} is not a regular file of at most "
+                                 f"{MAX_SECRET_FILE_BYTES} bytes; write the secret into a file "
+                                 f"of its own (e.g. head -c 32 /dev/urandom > F; chmod 600 F)")
+            mode = st.st_mode
+            data = os.read(fd, MAX_SECRET_FILE_BYTES).strip()
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise AuthFailed(f"cannot read secret file {p}: {exc.strerror}") from None
     if mode & (stat.S_IRWXG | stat.S_IRWXO):

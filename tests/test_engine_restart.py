@@ -21,7 +21,7 @@ import pytest
 from kvswap.client import CacheTensor, CacheWorker, TransferClient
 from kvswap.client.errors import ErrorCode, InvalidTask, NotReady
 from kvswap.client.shm_region import unlink_shm
-from kvswap.client.signals import RankState
+from kvswap.client.signals import RankState, poll_until
 
 TP = 2
 BLOCKS = 32
@@ -155,7 +155,7 @@ def test_a_daemon_restarted_while_the_engine_was_down_joins_the_new_engine(names
     says truthfully that it adopted its predecessor's pool: the data evicted before the
     crash loads into the new tensors on both ranks."""
     from kvswap.daemon.supervisor import SupervisorConfig
-    from kvswap.client.signals import RankSlot, poll_until
+    from kvswap.client.signals import RankSlot
     from test_faults import Supervising
 
     launcher = namespaces.launch(tp=TP, demo_caches=None, host_blocks=HOST_BLOCKS, wait=False,
@@ -313,7 +313,10 @@ def test_close_ends_a_register_that_waits_for_a_stopped_daemon(namespaces):
     t = threading.Thread(target=register)
     try:
         t.start()
-        assert t.is_alive()
+        # the register is waiting for its answer (it holds the worker's lock while it
+        # does): a close before it began would test only the closed check
+        assert poll_until(lambda: True if worker._lock.locked() else None,
+                          time.monotonic() + 10)
         t0 = time.monotonic()
         worker.close()
         t.join(10)
@@ -395,9 +398,8 @@ def test_a_replace_racing_another_is_told_to_retry_not_to_use_replace(namespaces
         t = threading.Thread(target=lambda: replies.append(
             a.register(a_tensors, timeout=30, replace=True)))
         t.start()
-        deadline = time.monotonic() + 20
-        while seg.state_of(0) is not RankState.ATTACHING and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert poll_until(lambda: True if seg.state_of(0) is RankState.ATTACHING else None,
+                          time.monotonic() + 20)
         b = CacheWorker(names.namespace, 0, run_root=str(names.run_root))
         workers.append(b)
         odd = [CacheTensor("x0", 0, b.alloc_host_tensor("x0", (BLOCKS, 128), "uint16"))]

@@ -20,6 +20,10 @@
  * A record at data + (head % cap), 8-byte aligned, never across the end:
  *    u32 size (payload bytes) | u16 nframes | u16 kind (0 message, 1 wrap) |
  *    u32 frame length x nframes | frames back to back | zero padding to 8
+ * Both indices are multiples of 8 with 0 <= head - tail <= cap.  Either process can
+ * store anything there (same uid), so put() and get() check them before they touch
+ * a byte of the data area and raise RingCorrupt on others; a consumer that will not
+ * read a ring again stores an unaligned tail on purpose (shut()).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -83,8 +87,18 @@ pad8(uint64_t n)
     return (n + 7) & ~(uint64_t)7;
 }
 
+/* Indices that put() and get() never store, so some other store made them: an
+ * index off the 8-byte grid, or more written than the ring holds.  Both refuse
+ * them, so no record is written or read at a position that was not checked. */
+static inline int
+bad_indices(const ring_t *r, uint64_t head, uint64_t tail)
+{
+    return head - tail > r->cap || head % 8 != 0 || tail % 8 != 0;
+}
+
 /* put(seg, ctl, data, cap, frames) -> 0 written, 1 written and the bell must ring,
- * -1 full (nothing written; ``want`` is set so the consumer rings back). */
+ * -1 full (nothing written; ``want`` is set so the consumer rings back); RingCorrupt
+ * (nothing written) if the indices are not ones the two sides could have made. */
 static PyObject *
 put(PyObject *self, PyObject *args)
 {
@@ -122,6 +136,17 @@ put(PyObject *self, PyObject *args)
     }
     uint64_t head = *r.head; /* only this producer writes it */
     uint64_t tail = __atomic_load_n(r.tail, __ATOMIC_ACQUIRE);
+    if (bad_indices(&r, head, tail)) {
+        /* Another process wrote an index (a hostile or buggy writer, or a consumer
+         * that shut the ring): a record placed by it could land past the data area
+         * (an unaligned head leaves under 8 bytes for the wrap marker).  Write
+         * nothing; the caller stops using this ring (docs/protocol.md section 15). */
+        PyBuffer_Release(&r.seg);
+        PyErr_Format(RingCorrupt, "ring indices out of bounds: head %llu, tail %llu; "
+                     "nothing was written", (unsigned long long)head,
+                     (unsigned long long)tail);
+        goto fail;
+    }
     uint64_t pos = head % r.cap;
     uint64_t skip = (r.cap - pos < need) ? r.cap - pos : 0;
     long result;
@@ -191,7 +216,11 @@ get(PyObject *self, PyObject *args)
         return NULL;
     uint64_t tail = *r.tail; /* only this consumer writes it */
     uint64_t head = __atomic_load_n(r.head, __ATOMIC_ACQUIRE);
-    if (head - tail > r.cap || head % 8 != 0)
+    /* Empty comes first: nothing is read, whatever the indices.  So a ring emptied by
+     * corrupt() with an unaligned head reads as empty from then on, instead of
+     * raising at every look (its producer's put() refuses the same indices and
+     * stops using the ring). */
+    if (head != tail && bad_indices(&r, head, tail))
         return corrupt(&r, head, "ring indices out of bounds: head - tail", head - tail);
     for (;;) {
         if (head == tail) {
@@ -273,6 +302,21 @@ wanted(PyObject *self, PyObject *args)
     return PyBool_FromLong(hit);
 }
 
+/* shut(seg, ctl, data, cap): the consumer will not read this ring again (its reply
+ * path is gone): it stores an unaligned ``tail``, so every later put() of the
+ * producer raises RingCorrupt and writes nothing, and the producer moves to its
+ * other channel instead of writing records nobody reads. */
+static PyObject *
+shut(PyObject *self, PyObject *args)
+{
+    ring_t r;
+    if (ring_args(&r, args) < 0)
+        return NULL;
+    __atomic_store_n(r.tail, __atomic_load_n(r.head, __ATOMIC_SEQ_CST) | 4, __ATOMIC_SEQ_CST);
+    PyBuffer_Release(&r.seg);
+    Py_RETURN_NONE;
+}
+
 /* swap_owner(seg, offset, expected, new) -> True if the u64 at ``offset`` held
  * ``expected`` and now holds ``new`` (claiming and releasing a ring). */
 static PyObject *
@@ -304,6 +348,7 @@ static PyMethodDef methods[] = {
     {"get", get, METH_VARARGS, "Read one record as a list of bytes, or None if empty."},
     {"arm", arm, METH_VARARGS, "Set the sleep flag; True if the ring is empty."},
     {"wanted", wanted, METH_VARARGS, "True once after the producer found the ring full."},
+    {"shut", shut, METH_VARARGS, "Make every later put() of the producer raise RingCorrupt."},
     {"swap_owner", swap_owner, METH_VARARGS, "Compare-and-swap of a u64 owner word."},
     {NULL, NULL, 0, NULL},
 };

@@ -308,7 +308,7 @@ class HostCache:
             self._persist = PersistedIndex(persist, num_blocks, run_root)
             recovered = self._persist.recovered
             try:  # PersistedIndex checked them: unique keys and ids, ids in range
-                self._index.adopt(recovered)
+                self._index.adopt(recovered, self._persist.quarantined)
             except BaseException:
                 self._persist.close()
                 raise
@@ -466,6 +466,7 @@ class HostCache:
                 "loads": self._loads, "stores": self._stores,
                 "store_failures": self._store_failures, "store_refusals": self._store_refusals,
                 "evictions": self._evictions, "recovered": self._recovered,
+                "quarantined": len(ix.withheld),
                 **ix.extra_stats()}
 
     @_one_thread

@@ -11,7 +11,9 @@ fraction of an instance (the bookkeeping budget is a few hundred ns per block).
 What makes the policies correct, whatever they order by:
 
 * a hash is in ``_blocks`` exactly when it owns a host id, and the ids in
-  ``_blocks`` and in ``_free`` are, together, each of 0..capacity-1 once;
+  ``_blocks``, in ``_free`` and in ``withheld`` are, together, each of
+  0..capacity-1 once (``withheld``: ids :meth:`adopt` kept out of use, blocks a
+  dead engine may still be writing, see ``host_cache_persist``);
 * a victim is only ever chosen among blocks with ``refs == 0`` (ready, no load in
   flight), so a pending store or a protected block is never evicted;
 * every mutating method either completes or raises before it has changed
@@ -50,6 +52,7 @@ class BlockIndex:
         self._blocks: dict = self._new_map()
         # A stack: pop() hands out 0, 1, 2, ... first; freed ids are reused first.
         self._free: list[int] = list(range(capacity - 1, -1, -1))
+        self.withheld: frozenset[int] = frozenset()  # never handed out (adopt)
         self.pending = 0  # blocks whose store is pending
         self.protected = 0  # ready blocks with at least one load in flight
 
@@ -59,7 +62,8 @@ class BlockIndex:
     # ------------------------------------------------------------------ queries
     @property
     def used(self) -> int:
-        return self.capacity - len(self._free)
+        """Blocks held by hashes (ready or pending)."""
+        return self.capacity - len(self._free) - len(self.withheld)
 
     def lookup(self, hashes: Hashes) -> int:
         get = self._blocks.get
@@ -200,20 +204,26 @@ class BlockIndex:
         self.pending -= len(done)
         return done
 
-    def adopt(self, entries: list[tuple[Hashable, int]]) -> None:
-        """Fill an empty index with ready blocks (hash, host id), oldest first: a
-        persisted index recovered by a restarted engine (``host_cache_persist``)."""
-        if self._blocks or not entries:
-            if self._blocks:
-                raise ValueError("adopt: the index is not empty")
-            return
+    def adopt(self, entries: list[tuple[Hashable, int]], withheld: Sequence[int] = ()) -> None:
+        """Fill an empty index with ready blocks (hash, host id), oldest first, and keep
+        the ``withheld`` ids out of use for the index's life (neither free nor held, not
+        even after :meth:`clear`): a persisted index recovered by a restarted engine,
+        whose predecessor may have left transfers into those blocks that still run
+        (``host_cache_persist``)."""
+        if self._blocks:
+            raise ValueError("adopt: the index is not empty")
         hashes = [h for h, _ in entries]
         ids = [i for _, i in entries]
-        taken = set(ids)
-        if len(taken) != len(ids) or len(set(hashes)) != len(hashes) \
-                or not all(0 <= i < self.capacity for i in ids):
-            raise ValueError("adopt: hashes and host ids must be unique, ids in range")
+        kept = frozenset(withheld)
+        taken = set(ids) | kept
+        if len(taken) != len(ids) + len(kept) or len(set(hashes)) != len(hashes) \
+                or not all(0 <= i < self.capacity for i in taken):
+            raise ValueError("adopt: hashes and host ids must be unique, ids in range and "
+                             "not withheld")
+        self.withheld = kept
         self._free = [i for i in range(self.capacity - 1, -1, -1) if i not in taken]
+        if not entries:
+            return
         self._plan_store(hashes)
         self._insert(hashes, ids)
         self.pending += len(hashes)
@@ -223,7 +233,7 @@ class BlockIndex:
         """Forget every block; return the ready ones (they had a stored event)."""
         ready = self.ready_hashes()
         self._blocks = self._new_map()
-        self._free = list(range(self.capacity - 1, -1, -1))
+        self._free = [i for i in range(self.capacity - 1, -1, -1) if i not in self.withheld]
         self.pending = self.protected = 0
         return ready
 

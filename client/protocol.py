@@ -35,7 +35,7 @@ import numpy as np
 
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError, ProtocolError
 
-PROTOCOL_VERSION: tuple[int, int] = (1, 10)
+PROTOCOL_VERSION: tuple[int, int] = (1, 11)
 
 # Request and task ids are non-negative int64: they key shm tables (layer progress,
 # agreement, the completion journal) that hold them as 64-bit integers.

@@ -44,6 +44,17 @@ blocks on its bell; a producer publishes ``head`` and then rings if it can clear
 ``sleep``.  ``want`` does the same for a producer that found the ring full: the
 consumer rings the producer's side when it has made room.
 
+Either process can store anything in the segment (same uid), so ``put`` and ``get``
+check the indices (multiples of 8, ``0 <= head - tail <= C``) before they touch the
+data area and raise :data:`RingCorrupt` otherwise: the consumer drops every unread
+byte (``tail = head``), the producer writes nothing.  A producer whose ``put``
+raises stops writing to that ring (the client: ZeroMQ for that rank until the
+rank restarts; the daemon: it shuts both rings, :meth:`Ring.shut`).  A wake-up
+lost to another process's store (``sleep`` cleared, or a client killed between
+``put`` and its bell) is found by the daemon's I/O loop, which also looks at the
+request ring when its poll times out, at least once a second; and a client that
+takes over a dead owner's claim rings the request bell once.
+
 Doorbells are FIFOs in the run dir, ``rank<r>.rq.bell`` (the daemon waits on it)
 and ``rank<r>.cq.bell`` (the client waits on it), created by the daemon.  One
 client at a time owns a rank's rings: it claims the owner word, and a claim
@@ -109,7 +120,9 @@ class Ring:
 
     def put(self, frames: Sequence[object]) -> int:
         """Write one record: 1 if the consumer's bell must be rung, 0 if not, -1 if
-        the ring is full (nothing written; the consumer rings back when it has room)."""
+        the ring is full (nothing written; the consumer rings back when it has room);
+        :data:`RingCorrupt` (nothing written) if the indices are invalid or the
+        consumer shut the ring: the producer must stop using it."""
         return _ringops.put(self.seg, self.ctl, self.data, self.cap, frames)
 
     def get(self) -> list[bytes] | None:
@@ -124,6 +137,12 @@ class Ring:
     def wanted(self) -> bool:
         """True once after the producer found the ring full."""
         return _ringops.wanted(self.seg, self.ctl, self.data, self.cap)
+
+    def shut(self) -> None:
+        """Consumer: this ring will not be read again.  Every later :meth:`put`
+        raises :data:`RingCorrupt` (it stores an unaligned ``tail``), so the producer
+        moves to its other channel instead of writing records nobody reads."""
+        _ringops.shut(self.seg, self.ctl, self.data, self.cap)
 
 
 class Bell:
@@ -287,13 +306,19 @@ class RingPeer:
             seg.close()
             raise
         rx.drain()
+        # A previous owner killed between its put() (which cleared ``sleep``) and its
+        # bell left the daemon asleep with ``sleep`` 0: none of our puts would ring.
+        # One bell now makes the daemon read the ring and arm it again.
+        tx.ring()
         return cls(seg, token, tx, rx)
 
     def fileno(self) -> int:
         return self._rx.fileno()
 
     def send(self, frames: Sequence[object]) -> bool:
-        """Write a request; False if the ring is full (the daemon rings back)."""
+        """Write a request; False if the ring is full (the daemon rings back);
+        :data:`RingCorrupt` (nothing written) if the request ring must not be used
+        again (the caller moves to ZeroMQ)."""
         rc = self._rq.put(frames)
         if rc > 0:
             self._tx.ring()

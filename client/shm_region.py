@@ -13,6 +13,14 @@ removed and created afresh (logged); otherwise it raises
 :class:`SegmentExists` naming the segment, its users and the command that
 removes it.  Only processes of this user are looked at, which are the only
 ones (with root) that a 0600 segment of this user admits.
+
+**Room.**  A page of a tmpfs segment is allocated when first touched, and
+touching one a full ``/dev/shm`` cannot back kills the process with SIGBUS, at
+whatever write comes first, with no error to read.  So :meth:`ShmRegion.create`
+allocates every page up front (:func:`allocate`), and a full ``/dev/shm`` is a
+:class:`ShmFull` naming the segment and the room it needed, before anything
+maps it.  Only the host pool opts out: it allocates in chunks itself, with
+progress, when it is populated (``daemon/swap_space.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +43,30 @@ log = logging.getLogger("kvswap.shm")
 
 class SegmentExists(NamespaceError):
     """A segment to be created exists and some process still uses it."""
+
+
+class ShmFull(NamespaceError):
+    """``/dev/shm`` has no room for a segment being created."""
+
+
+def allocate(fd: int, size: int, name: str) -> None:
+    """Allocate every page of the segment open at ``fd`` (``posix_fallocate``; module
+    docstring "Room").  A file system that cannot (EOPNOTSUPP, EINVAL) is left to
+    allocate on first touch, as before."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            try:
+                st = os.statvfs(SHM_DIR)
+                free = f"{st.f_bavail * st.f_frsize} bytes free"
+            except OSError:
+                free = "free space unknown"
+            raise ShmFull(f"shared memory segment {name}: {SHM_DIR} has no room for its "
+                          f"{size} bytes ({free}; {exc.strerror}); make room there (df -h "
+                          f"{SHM_DIR}) or give it more (a container's --shm-size)") from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
 
 
 def _cmdline(pid: int) -> str:
@@ -86,9 +118,10 @@ class ShmRegion:
 
     @classmethod
     def create(cls, name: str, size: int, exclusive: bool = True,
-               populate: bool = False) -> "ShmRegion":
-        """Create ``name`` of ``size`` bytes, zero-filled.  Pages are allocated on first
-        touch, or all at once here with ``populate`` (MAP_POPULATE)."""
+               populate: bool = False, allocate_now: bool = True) -> "ShmRegion":
+        """Create ``name`` of ``size`` bytes, zero-filled, its pages allocated
+        (:class:`ShmFull` if ``/dev/shm`` has no room; ``allocate_now=False``: on first
+        touch) and mapped at once with ``populate`` (MAP_POPULATE)."""
         if size <= 0:
             raise ValueError(f"shm region {name} must have a positive size, got {size}")
         flags = posix_ipc.O_CREX if exclusive else posix_ipc.O_CREAT
@@ -98,6 +131,8 @@ class ShmRegion:
             _remove_leftover(name)
             shm = posix_ipc.SharedMemory(name, flags, mode=SHM_MODE, size=size)
         try:
+            if allocate_now:
+                allocate(shm.fd, size, name)
             buf = mmap.mmap(shm.fd, size, flags=_map_flags(populate))
             inode = os.fstat(shm.fd).st_ino
         except BaseException:

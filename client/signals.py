@@ -78,6 +78,7 @@ from kvswap.client.errors import (
     RankTimeout,
 )
 from kvswap.client.naming import Names
+from kvswap.client.shm_region import allocate
 from kvswap.client.protocol import OPS
 
 MAGIC = int.from_bytes(b"KVSWAPSG", "little")
@@ -341,6 +342,7 @@ class AgreeState(enum.IntEnum):
     FREE = 0
     POSTED = 1
     ABORTED = 2  # the owner gave up (timeout, failure, cancel): everyone aborts
+    DONE = 3  # a POSTED last-round entry whose owner completed the task (value still valid)
 
 
 @enum.unique
@@ -464,6 +466,7 @@ class SignalSegment:
                 f"namespace {names.namespace!r} is in use: {names.signals} already exists"
             ) from None
         try:
+            allocate(shm.fd, shm.size, names.signals)  # a full /dev/shm: an error, not SIGBUS
             buf = mmap.mmap(shm.fd, shm.size)
         except BaseException:
             posix_ipc.unlink_shared_memory(names.signals)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import re
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
@@ -48,6 +49,14 @@ KIND = "kvswap-peer-ticket"
 VERSION = 1
 NONCE_BYTES = 16
 LAYOUT_BYTES = 32
+INT64_END = 2**63  # ids, addresses and sizes past it do not fit the int64 spans are planned in
+
+# A rank entry's endpoints, as the daemon writes them (``--peer-host`` and a port the OS
+# picked): a host name, an IPv4 address or an IPv6 one (bracketed or not), then a port.
+_HOST = r"(?:\[[0-9A-Fa-f:.%]+\]|[A-Za-z0-9._:%-]+)"
+_TE = re.compile(rf"{_HOST}:([0-9]{{1,5}})")
+_NOTIFY = re.compile(rf"tcp://{_HOST}:([0-9]{{1,5}})")
+MAX_ENDPOINT = 256
 
 
 class TicketRefused(KvswapError):
@@ -62,6 +71,27 @@ def _int(x: Any) -> int:
     OverflowError (not a refusal) for an infinite float."""
     if isinstance(x, bool) or not isinstance(x, int):
         raise TypeError(f"{x!r:.40} is not an integer")
+    return x
+
+
+def _bounded(x: Any, lowest: int, what: str) -> int:
+    """An integer field in [``lowest``, 2**63): a sender plans its write in int64 (numpy),
+    where a larger one raises OverflowError or wraps into a wrong address."""
+    x = _int(x)
+    if not lowest <= x < INT64_END:
+        raise ValueError(f"{what} {x} is out of range [{lowest}, 2**63)")
+    return x
+
+
+def _endpoint(x: Any, field: str, pattern: re.Pattern, form: str) -> str:
+    """An endpoint field of a rank entry.  The sender connects to it; a string ZMQ or the
+    Transfer Engine cannot use (``"bogus"``) raised in the sender's peer worker instead
+    of refusing the ticket, so it is checked where the entry is read."""
+    match = pattern.fullmatch(x) if isinstance(x, str) and len(x) <= MAX_ENDPOINT else None
+    if match is None or not 0 < int(match.group(1)) < 65536:
+        raise TicketRefused(f"ticket rank entry: {field} must be {form}, got {x!r:.80}; the "
+                            f"ticket was altered or not made by receive_into: ask the "
+                            f"receiver for a new one")
     return x
 
 
@@ -91,10 +121,14 @@ class RankEndpoint:
         if not isinstance(m, dict):
             raise TicketRefused("ticket rank entry is not a map")
         try:
-            out = cls(str(m["te"]), str(m["notify"]), tuple(_int(x) for x in m["bases"]),
-                      tuple(_int(x) for x in m["block_bytes"]), _int(m["epoch"]))
+            te, notify = m["te"], m["notify"]
+            out = cls(te, notify, tuple(_bounded(x, 1, "a base address") for x in m["bases"]),
+                      tuple(_bounded(x, 1, "block bytes") for x in m["block_bytes"]),
+                      _int(m["epoch"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise TicketRefused(f"ticket rank entry is malformed: {exc!r}") from None
+        _endpoint(te, "te (its Transfer Engine)", _TE, "'HOST:PORT'")
+        _endpoint(notify, "notify (its completion listener)", _NOTIFY, "'tcp://HOST:PORT'")
         if len(out.bases) != len(out.block_bytes) or not out.bases:
             raise TicketRefused("ticket rank entry: bases and block_bytes must be equally long "
                                 "and not empty")
@@ -156,8 +190,9 @@ class Ticket:
                                 f"{VERSION}")
         try:
             ranks = tuple(RankEndpoint.from_wire(r) for r in m["ranks"])
-            t = cls(str(m["ns"]), _int(m["tp"]), _bytes(m["layout"]),
-                    tuple(_int(b) for b in m["ids"]), _int(m["exp"]), _bytes(m["nonce"]),
+            t = cls(str(m["ns"]), _bounded(m["tp"], 1, "TP size"), _bytes(m["layout"]),
+                    tuple(_bounded(b, 0, "a block id") for b in m["ids"]), _int(m["exp"]),
+                    _bytes(m["nonce"]),
                     ranks, _bytes(m.get("mac", b"")))
         except (KeyError, TypeError, ValueError) as exc:
             raise TicketRefused(f"ticket is malformed: {exc!r}") from None

@@ -15,6 +15,12 @@ rank's daemon serves rings at the rank's epoch, this client owns them, and the
 message fits one record; otherwise over ZeroMQ.  Which channel a rank may use
 *now* is the dispatcher's choice (it keeps one rank's messages in order across
 the two): :meth:`channel` only says which one the message wants.
+
+A request ring whose write raises :data:`RingCorrupt` (another process wrote its
+indices, or the daemon shut it) is not written again: the rank's messages want
+ZeroMQ until it restarts (:meth:`reconnect`), the one that hit the error included
+(:meth:`send` returns False, so the dispatcher keeps it in the rank's backlog), and
+the completion ring is still read for the replies the ring owes.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ class Transport:
         self.rings: list[RingPeer | None] = [None] * len(endpoints)
         self._retry_at = [0.0] * len(endpoints)
         self._why: list[str] = [""] * len(endpoints)  # why a rank has no ring (logged once)
+        self._abandoned = [False] * len(endpoints)  # its request ring failed a write (send)
         self._look = False  # see take_look
         # Replies dropped for failing the signature check (tcp://) since the last one
         # that passed it, and the last reason; read by the client for a deadline's error
@@ -84,7 +91,8 @@ class Transport:
     # ------------------------------------------------------------------ sending
     def channel(self, frames: Sequence[object], rank: int) -> Channel:
         """The channel this message wants to ``rank``."""
-        if self.path is PathChoice.RING and self._ring(rank) is not None:
+        if (self.path is PathChoice.RING and not self._abandoned[rank]
+                and self._ring(rank) is not None):
             peer = self.rings[rank]
             assert peer is not None
             if fits(frames, peer.seg.capacity):
@@ -92,12 +100,21 @@ class Transport:
         return Channel.ZMQ
 
     def send(self, frames: list, rank: int, channel: Channel) -> bool:
-        """Send on ``channel``; False if the ring is full (nothing sent: the daemon
-        rings back when it has room)."""
+        """Send on ``channel``; False if not sent now: the ring is full (the daemon
+        rings back when it has room), or it failed the write (it is abandoned, and
+        :meth:`take_look` makes the reader send the message again, over ZeroMQ)."""
         if channel is Channel.RING:
             peer = self.rings[rank]
             assert peer is not None
-            return peer.send(frames)
+            try:
+                return peer.send(frames)
+            except RingCorrupt as exc:
+                self._abandoned[rank] = True
+                self._look = True
+                log.error("rank %d: its request ring cannot be written (%s): ZeroMQ until "
+                          "the rank restarts; requests still in the ring end at their "
+                          "deadlines", rank, exc)
+                return False
         if self._secret is not None:
             frames = sign(self._secret, frames)
         sock = self.dealers[rank]
@@ -136,6 +153,7 @@ class Transport:
             peer.close()
             self._look = True
         self._retry_at[rank] = 0.0
+        self._abandoned[rank] = False
 
     # ------------------------------------------------------------------ receiving
     def everything(self) -> set[int]:

@@ -46,6 +46,8 @@ from kvswap.daemon.ring_server import RingServer
 log = logging.getLogger("kvswap.daemon")
 
 STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT})
+# The request ring is read at least this often without a doorbell (serve()).
+RING_LOOK_S = 1.0
 _HIST_INDEX = {Op(name): i for i, name in enumerate(HIST_OPS)}
 
 
@@ -195,7 +197,14 @@ class IoLoop:
 
         The completion doorbell is rung once per round of the loop, after every reply of
         the round is written: a reader woken by the first reply of a burst would take it
-        alone and sleep again before the next."""
+        alone and sleep again before the next.
+
+        The request ring is also read when the poll times out and at least every
+        :data:`RING_LOOK_S` while other sockets keep the loop busy: its doorbell
+        rings only if the writer cleared the ``sleep`` flag, and a flag another
+        process cleared, or a client killed between its write and its bell, would
+        otherwise leave the ring unread for good.  It costs one clock read per round
+        (no system call), and one look at an idle ring per timeout."""
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self._done.rx, zmq.POLLIN)
@@ -204,7 +213,9 @@ class IoLoop:
             poller.register(self.tcp_router, zmq.POLLIN)
         self._handlers = handlers
         self._copy_claimed = copy_claimed
-        poller.register(self._rings.fileno(), zmq.POLLIN)
+        ring_bell = self._rings.fileno()
+        poller.register(ring_bell, zmq.POLLIN)
+        ring_due = time.monotonic() + RING_LOOK_S
         stopping = self._rank.stopping
         while True:
             if stopping.is_set() and workers_done():
@@ -219,7 +230,9 @@ class IoLoop:
                     begin_stop(f"signal {', '.join(stops)}")
             if self._done.rx in events:
                 self.flush_completions()
-            if self._rings.fileno() in events:
+            now = time.monotonic()
+            if ring_bell in events or not events or now >= ring_due:
+                ring_due = now + RING_LOOK_S
                 self._rings.drain()
             for sock, signed in ((self.router, False), (self.tcp_router, True)):
                 if sock is None or sock not in events:

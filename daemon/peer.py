@@ -57,7 +57,7 @@ from kvswap.client.errors import ErrorCode, KvswapError
 from kvswap.client.layout import TensorDesc, layout_hash
 from kvswap.client.protocol import PROTOCOL_VERSION
 from kvswap.client.shm_region import ShmRegion
-from kvswap.client.ticket import RankEndpoint, Ticket
+from kvswap.client.ticket import INT64_END, RankEndpoint, Ticket
 from kvswap.daemon import crashpoints
 from kvswap.daemon.peer_receiver import PeerReceiver, packb
 from kvswap.daemon.peer_table import OnEnd
@@ -201,10 +201,15 @@ class PeerSender:
         (the receiver then fails its receive, by ``abort`` or its own timeout)."""
         peer = ticket.ranks[rank]
         ticket.check_expiry()  # a push that waited behind others: the receive is gone
+        # wait: how long this push waits for the answer, so that a receiver parking the
+        # begin (its receive not armed yet) refuses it before this side gives up
         reply = self._ask(peer.notify, {"k": "begin", "nonce": ticket.nonce, "rank": rank,
-                                        "ticket": raw_ticket, "v": list(PROTOCOL_VERSION)})
-        srcs, dsts, lens = plan_spans(pool.bases, _window(reply, peer.bases), pool.block_bytes,
-                                      src_ids, np.asarray(ticket.block_ids, dtype=np.int64))
+                                        "ticket": raw_ticket, "v": list(PROTOCOL_VERSION),
+                                        "wait": self._timeout_s})
+        dst_ids = np.asarray(ticket.block_ids, dtype=np.int64)
+        dst_bases = _window(reply, peer.bases)
+        _check_reach(dst_bases, pool.block_bytes, dst_ids)
+        srcs, dsts, lens = plan_spans(pool.bases, dst_bases, pool.block_bytes, src_ids, dst_ids)
         try:
             self._engine.write(peer.te, srcs, dsts, lens)
         except PeerFailed as exc:
@@ -223,7 +228,13 @@ class PeerSender:
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(endpoint)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as exc:  # the ticket's entry was checked; ZMQ has the last word
+                sock.close(linger=0)
+                raise PeerFailed(f"the ticket's notify endpoint {endpoint!r:.80} cannot be "
+                                 f"connected to ({exc}); ask the receiver for a new ticket",
+                                 ErrorCode.TICKET_MISMATCH) from None
             socks[endpoint] = sock
             with self._lock:
                 self._sockets.append(sock)
@@ -260,14 +271,18 @@ class PeerSender:
                                  f"within {self._timeout_s:.1f}s (--peer-timeout): it may "
                                  f"have died; the receive there fails",
                                  ErrorCode.TRANSFER_FAILED)
-        reply = msgpack.unpackb(sock.recv(), raw=False)
-        code = ErrorCode(reply.get("code", ErrorCode.PROTOCOL_ERROR))
+        try:
+            code, message, reply = _read_reply(sock.recv_multipart())
+        except ValueError as exc:
+            self._drop(endpoint)
+            raise PeerFailed(f"the receiver at {endpoint} answered {msg['k']} with {exc}: it "
+                             f"is not a kvswap receiver this one can read (a newer version?); "
+                             f"the send failed", ErrorCode.PROTOCOL_ERROR) from None
         if code != ErrorCode.OK:
             # a fresh socket for the next message: should the receiver answer this one
             # twice, the second answer must not be read as the next message's
             self._drop(endpoint)
-            raise KvswapError(f"the receiver refused {msg['k']}: {reply.get('message', '')}",
-                              code)
+            raise KvswapError(f"the receiver refused {msg['k']}: {message}", code)
         return reply
 
     def close(self) -> None:
@@ -277,6 +292,32 @@ class PeerSender:
             s.close(linger=0)
 
 
+def _read_reply(frames: list[bytes]) -> tuple[ErrorCode, str, dict]:
+    """(code, message, the whole map) of a receiver's answer; ValueError saying what is
+    wrong with it.  The answer comes from whatever listens at the ticket's ``notify``
+    (another version of kvswap, or not kvswap at all): an unknown code or a body that
+    is not a map raised in the peer worker and killed it, leaving the send unanswered
+    and its blocks held."""
+    if len(frames) != 1:
+        raise ValueError(f"a reply of {len(frames)} frames (one expected)")
+    try:
+        reply = msgpack.unpackb(frames[0], raw=False)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise ValueError(f"a reply that is not msgpack ({exc!r:.120})") from None
+    if not isinstance(reply, dict):
+        raise ValueError(f"a reply that is a {type(reply).__name__}, not a map")
+    code, message = reply.get("code"), reply.get("message", "")
+    if isinstance(code, bool) or not isinstance(code, int):
+        raise ValueError(f"a reply whose code is {code!r:.40}, not an integer")
+    if not isinstance(message, str):
+        raise ValueError(f"a reply whose message is a {type(message).__name__}, not a string")
+    try:
+        return ErrorCode(code), message, reply
+    except ValueError:
+        raise ValueError(f"error code {code}, which this kvswap does not know (its message: "
+                         f"{message!r:.200})") from None
+
+
 def _window(reply: dict, ticket_bases: Sequence[int]) -> Sequence[int]:
     """Where to write: the window ``begin``'s answer names (a receiver before protocol
     1.9 names none: its pool, as the ticket says)."""
@@ -284,10 +325,26 @@ def _window(reply: dict, ticket_bases: Sequence[int]) -> Sequence[int]:
     if bases is None:
         return ticket_bases
     if (not isinstance(bases, list) or len(bases) != len(ticket_bases)
-            or not all(isinstance(b, int) and b > 0 for b in bases)):
-        raise PeerFailed(f"the receiver answered begin with bad window bases {bases!r}",
+            or not all(isinstance(b, int) and not isinstance(b, bool) and 0 < b < INT64_END
+                       for b in bases)):
+        raise PeerFailed(f"the receiver answered begin with bad window bases {bases!r:.200}",
                          ErrorCode.PROTOCOL_ERROR)
     return bases
+
+
+def _check_reach(dst_bases: Sequence[int], block_bytes: Sequence[int], dst_ids: np.ndarray
+                 ) -> None:
+    """Every destination address must fit the int64 the spans are planned in: past it
+    numpy wraps silently into a wrong address (ids, bases and block bytes are each
+    bounded, their sum is not).  The ticket's ids are non-negative (client/ticket.py)."""
+    if dst_ids.size == 0:
+        return
+    top = int(dst_ids.max()) + 1
+    for base, bpb in zip(dst_bases, block_bytes):
+        if base + top * bpb >= INT64_END:
+            raise PeerFailed(f"the ticket's block ids (up to {top - 1}) at window base "
+                             f"{base:#x} reach past 2**63: not a ticket of a kvswap receiver",
+                             ErrorCode.TICKET_MISMATCH)
 
 
 # =========================================================================== runtime

@@ -3,8 +3,8 @@ thread alone (daemon/peer_receiver.py).
 
 ``receive_into`` hands out a ticket without waiting for the receive's admission,
 so a sender's ``begin`` may reach the receiver first.  Such a begin is kept until
-its receive is admitted, then handled like any begin, or refused once the sender
-has given up waiting for its answer (``--peer-timeout``).  A begin whose ticket
+its receive is admitted, then handled like any begin, or refused just before its
+sender gives up waiting for the answer (daemon/peer_table.py :func:`park`).  A begin whose ticket
 cannot be used is refused at once: not a ticket, not this nonce's, or expired (a
 ticket's nonce leaves the receiver's used set at its expiry, so its late begin
 looks early), or, in a namespace with a secret, not signed with it.  At most
@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator
 
 from kvswap.client.errors import ErrorCode
 from kvswap.client.ticket import Ticket, TicketRefused
+from kvswap.daemon.peer_table import Park, park
 
 MAX_EARLY = 1024  # begins kept while their receive has not arrived yet
 MAX_EARLY_BYTES = 64 << 20  # their tickets' bytes (a ticket is KiBs; the listener takes 16 MiB)
@@ -35,11 +36,13 @@ class EarlyBegins:
         self._secret = secret
         self._timeout_s = timeout_s
         self._answer = answer
-        self._waiting: dict[bytes, list[tuple[bytes, Any, float]]] = {}  # nonce -> begins
+        self._waiting: dict[bytes, list[tuple[bytes, Any, Park]]] = {}  # nonce -> begins
         self._bytes = 0  # of the tickets kept
 
-    def park(self, ident: bytes, nonce: bytes, ticket: Any) -> None:
-        """Keep a begin until its receive is admitted, or refuse it now."""
+    def park(self, ident: bytes, nonce: bytes, ticket: Any, wait_s: float | None = None
+             ) -> None:
+        """Keep a begin until its receive is admitted, or refuse it now.  ``wait_s``: how
+        long its sender waits for the answer, when the begin said so."""
         try:
             presented = Ticket.from_bytes(ticket)
             if presented.nonce != nonce:
@@ -58,27 +61,28 @@ class EarlyBegins:
             return
         self._bytes += len(ticket)
         self._waiting.setdefault(nonce, []).append(
-            (ident, ticket, time.monotonic() + self._timeout_s))
+            (ident, ticket, park(time.monotonic(), self._timeout_s, wait_s)))
 
     def deadlines(self) -> list[float]:
-        return [d for waiting in self._waiting.values() for _, _, d in waiting]
+        return [place.deadline for waiting in self._waiting.values() for _, _, place in waiting]
 
     def due(self, admitted: Callable[[bytes], Any], now: float
-            ) -> Iterator[tuple[bytes, bytes, Any, Any, float]]:
+            ) -> Iterator[tuple[bytes, bytes, Any, Any, Park]]:
         """The begins whose receive is now admitted, as (ident, nonce, ticket, what
-        ``admitted(nonce)`` returned, deadline), for the caller to handle; those past
-        their deadline are refused, admitted or not (their sender has given up)."""
+        ``admitted(nonce)`` returned, place), for the caller to handle; those past
+        their deadline are refused, admitted or not (their sender gives up now)."""
         for nonce in list(self._waiting):
             waiting = self._waiting.pop(nonce)
             self._bytes -= sum(len(ticket) for _, ticket, _ in waiting)
             receive = admitted(nonce)
-            for ident, ticket, deadline in waiting:
-                if receive is not None and now < deadline:
-                    yield ident, nonce, ticket, receive, deadline
-                elif now >= deadline:
+            for ident, ticket, place in waiting:
+                if receive is not None and now < place.deadline:
+                    yield ident, nonce, ticket, receive, place
+                elif now >= place.deadline:
                     self._answer(ident, ErrorCode.TICKET_MISMATCH,
                                  f"rank {self._rank} has no receive for this ticket after "
-                                 f"{self._timeout_s:.1f}s (--peer-timeout)")
+                                 f"{place.limit_s:.1f}s ({place.why}): no peer_recv with it "
+                                 f"was admitted here (not sent yet, or refused)")
                 else:
                     self._bytes += len(ticket)
-                    self._waiting.setdefault(nonce, []).append((ident, ticket, deadline))
+                    self._waiting.setdefault(nonce, []).append((ident, ticket, place))

@@ -20,6 +20,7 @@ Without ``--peer-transfer`` every peer op is refused PEER_DISABLED, naming the f
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from kvswap.daemon.peer import PeerRuntime, PoolView
 from kvswap.daemon.rank import RankContext
 from kvswap.daemon.scheduler import Task, TaskState
 from kvswap.daemon.swap_space import HostSwapSpace
+
+log = logging.getLogger("kvswap.daemon.peer")
 
 
 @dataclass(frozen=True)
@@ -139,25 +142,39 @@ class PeerOps:
         att = self._slot.current
         assert att is not None  # READY implies attached
         self._rank.sig.add(RankSlot.INFLIGHT, 1)
-        with self._lock:  # a peer worker may take the task at once: it looks it up here
-            task = att.scheduler.submit(job.op, _NO_DEVICE, host,
-                                        priority=int(req.header.get("priority", 0)), ctx=job)
-            self._work[task] = work
+        try:
+            with self._lock:  # a peer worker may take the task at once: it looks it up here
+                task = att.scheduler.submit(job.op, _NO_DEVICE, host,
+                                            priority=int(req.header.get("priority", 0)),
+                                            ctx=job)
+                self._work[task] = work
+        except Exception:
+            # not queued (the scheduler is stopping): nothing will answer or end it, so
+            # undo what admission did here, or a receive's nonce would wait for a task
+            # that does not exist until the process ends
+            self._rank.sig.add(RankSlot.INFLIGHT, -1)
+            if isinstance(work, _Recv):
+                runtime.receiver.forget(work.nonce)
+            raise
 
     def cancel(self, task: Task) -> bool:
-        """``cancel`` of a peer task.  One the scheduler dropped before it started:
-        forget its ticket (True).  A receive armed and held, no sender begun: it
-        ends CANCELLED (True).  Anything else runs on (False)."""
+        """``cancel`` of a peer task.  One the scheduler dropped before it started, a
+        send or a receive: forget it, and a receive's ticket (True; a send kept its
+        ticket here for as long as the process lived).  A receive armed and held, no
+        sender begun: it ends CANCELLED (True).  Anything else runs on (False)."""
         with self._lock:
             work = self._work.get(task)
-        if not isinstance(work, _Recv) or self._runtime is None:
-            return False
-        if task.state is TaskState.CANCELLED:
-            with self._lock:
+            dropped = task.state is TaskState.CANCELLED
+            if dropped:
                 self._work.pop(task, None)
-            self._runtime.receiver.forget(work.nonce)
-            return True
-        return self._runtime.receiver.cancel(work.nonce)
+        if work is None or self._runtime is None:
+            return False
+        if isinstance(work, _Recv):
+            if dropped:
+                self._runtime.receiver.forget(work.nonce)
+                return True
+            return self._runtime.receiver.cancel(work.nonce)
+        return dropped
 
     def stop(self) -> None:
         """The daemon stops: armed receives end SHUTTING_DOWN while the I/O loop still
@@ -169,7 +186,14 @@ class PeerOps:
     # ------------------------------------------------------------------ peer workers
     def execute(self, batch: list[Task], att: Attachment) -> list[Completion]:
         """Run peer tasks (a peer worker; never raises).  A receive is armed and held:
-        no completion now, it ends through the receiver.  A send pushes its blocks."""
+        no completion now, it ends through the receiver.  A send pushes its blocks.
+
+        A send runs on what another node wrote (its ticket, its receiver's answers),
+        which the ticket and the sender check, so it fails with a KvswapError naming
+        the cause.  Anything else is a bug: as on the other lanes (a copy's failure,
+        a storage backend's), it costs that task, answered INTERNAL_ERROR with its
+        traceback in the log, never the worker: a dead peer worker left its send
+        unanswered with its blocks held, and two of them every later send."""
         assert self._runtime is not None  # peer tasks are admitted only with a runtime
         out = []
         for task in batch:
@@ -178,15 +202,27 @@ class PeerOps:
                 if isinstance(work, _Send):
                     del self._work[task]
             t_start = time.perf_counter_ns()
-            if isinstance(work, _Recv):
-                self._runtime.receiver.arm(work.nonce, task)
-                continue
-            assert isinstance(work, _Send) and self._runtime.pool is not None
             try:
+                if isinstance(work, _Recv):
+                    self._runtime.receiver.arm(work.nonce, task)
+                    continue
+                assert isinstance(work, _Send) and self._runtime.pool is not None
                 nbytes = self._runtime.sender.push(self._rank.index, work.ticket, work.raw,
                                                    self._runtime.pool, task.host_ids)
             except KvswapError as exc:
                 out.append(Completion(task.ctx, exc.code, exc.message, t_start,
+                                      time.perf_counter_ns()))
+                continue
+            except Exception as exc:  # a bug must cost one task, never the peer lane
+                log.exception("%s %s failed unexpectedly", task.op.value, task.ctx.req_id)
+                message = (f"{type(exc).__name__}: {exc} (unexpected: rank "
+                           f"{self._rank.index}'s log has the traceback)")
+                if task.op is Op.PEER_RECV:
+                    # held: the worker does not finish it; end it here unless it ended
+                    if not isinstance(work, _Recv) or self._runtime.receiver.forget(work.nonce):
+                        self._on_end(task, ErrorCode.INTERNAL_ERROR, message, 0)
+                    continue
+                out.append(Completion(task.ctx, ErrorCode.INTERNAL_ERROR, message, t_start,
                                       time.perf_counter_ns()))
                 continue
             out.append(Completion(task.ctx, ErrorCode.OK, "", t_start, time.perf_counter_ns(),

@@ -31,15 +31,15 @@ import threading
 import time
 from typing import Any, Callable
 
-import msgpack
 import zmq
 
 from kvswap.client.errors import ErrorCode, KvswapError
 from kvswap.client.protocol import packb
-from kvswap.client.ticket import NONCE_BYTES, Ticket, TicketRefused
+from kvswap.client.ticket import Ticket, TicketRefused
 from kvswap.daemon import crashpoints
 from kvswap.daemon.peer_early import EarlyBegins
-from kvswap.daemon.peer_table import TAKEN, OnEnd, Pending, RecvState, deadline_of, due_now
+from kvswap.daemon.peer_table import (KINDS, TAKEN, OnEnd, Park, Pending, RecvState, deadline_of,
+                                      due_now, park, read_message)
 from kvswap.daemon.peer_windows import FENCED_SINCE, OnUnsafe, PeerWindows, Window, fences
 
 log = logging.getLogger("kvswap.daemon.peer")
@@ -111,14 +111,16 @@ class PeerReceiver:
             self._on_end(handle, ErrorCode.CLEARED, clearing, 0)
         self._wake()
 
-    def forget(self, nonce: bytes) -> None:
-        """Drop a receive cancelled before it was armed (its task was never started)."""
+    def forget(self, nonce: bytes) -> bool:
+        """Drop a receive cancelled before it was armed (its task was never started), or
+        one whose admission or arming failed.  False if it had ended already."""
         with self._lock:
             p = self._pending.pop(nonce, None)
             if p is not None:
                 self._refused += [i for i, _ in p.parked]
                 p.parked = []
         self._wake()  # the listener refuses the begins that waited for it
+        return p is not None
 
     def end_armed(self, why: str) -> None:
         """A clear begins (control thread): end CLEARED every receive no sender has begun,
@@ -283,23 +285,25 @@ class PeerReceiver:
         self._answer(ident, bases=p.window.bases)
 
     def _on_message(self, ident: bytes, raw: bytes) -> None:
+        """A message from anyone who reaches the port; a malformed one is refused (its
+        fields are all checked first), so only a bug raises here: it fails the rank."""
         try:
-            m = msgpack.unpackb(raw, raw=False)
-            kind, nonce, rank = m["k"], m["nonce"], m["rank"]
-            if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
-                raise ValueError(f"nonce must be {NONCE_BYTES} bytes")
-            if isinstance(rank, bool) or not isinstance(rank, int):
-                raise ValueError("rank must be an integer")
-        except Exception as exc:  # msgpack raises several unrelated types for bad input
+            m = read_message(raw)
+        except ValueError as exc:
             self._answer(ident, ErrorCode.PROTOCOL_ERROR,
-                         f"unreadable peer message: {exc!r} (expected a map with k, nonce, "
-                         f"rank, as a kvswap sender sends)")
+                         f"unreadable peer message: {exc} (expected a map with k, nonce, "
+                         f"rank and the fields of its kind, as a kvswap sender sends)")
             return
+        kind, nonce, rank = m.kind, m.nonce, m.rank
         if rank != self.rank:
             self._answer(ident, ErrorCode.TICKET_MISMATCH,
                          f"rank {rank}'s push reached rank {self.rank} (rank r sends to rank r)")
             return
-        if kind == "begin" and not fences(m.get("v")):
+        if kind not in KINDS:
+            self._answer(ident, ErrorCode.PROTOCOL_ERROR, f"unknown peer message {kind!r:.40} "
+                         f"(this rank knows {', '.join(KINDS)})")
+            return
+        if kind == "begin" and not fences(m.version):
             self._answer(ident, ErrorCode.VERSION_MISMATCH,
                          f"rank {self.rank} gives each receive a write window it can fence "
                          f"(protocol {FENCED_SINCE[0]}.{FENCED_SINCE[1]}); this sender is "
@@ -309,7 +313,7 @@ class PeerReceiver:
             p = self._pending.get(nonce)
             used = nonce in self._used
         if p is None and kind == "begin" and not used:
-            self._early.park(ident, nonce, m.get("ticket"))
+            self._early.park(ident, nonce, m.ticket, m.wait_s)
             return
         if p is None and kind in ("done", "abort") and nonce in self._fenced:
             self._late(ident, kind, nonce)
@@ -320,8 +324,8 @@ class PeerReceiver:
                          f"received, cancelled or expired already (a ticket is used once)")
             return
         if kind == "begin":
-            self._on_begin(ident, nonce, p, m.get("ticket"))
-        elif kind in ("done", "abort"):
+            self._on_begin(ident, nonce, p, m.ticket, m.wait_s)
+        else:  # done or abort
             if p.state is not RecvState.BEGUN:
                 self._answer(ident, ErrorCode.TICKET_MISMATCH, f"{kind} before begin")
                 return
@@ -332,7 +336,7 @@ class PeerReceiver:
                     return
             if kind == "abort":
                 self._end_begun(None, p, ErrorCode.TRANSFER_FAILED,
-                                f"the sender aborted: {m.get('message', '')}")
+                                f"the sender aborted: {m.text}")
             elif p.window is None or p.window.release():
                 self._on_end(p.handle, ErrorCode.OK, "", p.nbytes)
             else:  # fenced by a detach while the sender wrote
@@ -342,15 +346,14 @@ class PeerReceiver:
                 self._answer(ident, ErrorCode.TRANSFER_FAILED, message)
                 return
             self._answer(ident)
-        else:
-            self._answer(ident, ErrorCode.PROTOCOL_ERROR, f"unknown peer message {kind!r}")
 
     def _on_begin(self, ident: bytes, nonce: bytes, p: Pending, ticket: Any,
-                  deadline: float | None = None) -> None:
+                  wait_s: float | None = None, place: Park | None = None) -> None:
         """A begin for receive ``p`` (looked up before this): refused, parked until the
-        receive arms (until ``deadline``, when its sender gives up; an early begin keeps
-        the one it arrived with) or taking it.  ``p`` may have left the table since (a
-        cancel, a clear): then it is refused, never parked where no sweep looks."""
+        receive arms (until just before its sender, waiting ``wait_s`` when it said so,
+        gives up: :func:`park`; an early begin keeps the ``place`` it arrived with) or
+        taking it.  ``p`` may have left the table since (a cancel, a clear): then it is
+        refused, never parked where no sweep looks."""
         try:
             presented = Ticket.from_bytes(ticket)
             if self._secret:
@@ -361,15 +364,15 @@ class PeerReceiver:
         except TicketRefused as exc:
             self._answer(ident, exc.code, exc.message)
             return
-        orphans: list[tuple[bytes, float]] = []
+        orphans: list[tuple[bytes, Park]] = []
         with self._lock:
             if self._pending.get(nonce) is not p:
                 refusal = "the receive ended (cancelled, cleared or expired) before this begin"
             elif p.state is RecvState.BEGUN:
                 refusal = TAKEN
             elif p.state is RecvState.WAITING:
-                p.parked.append((ident, time.monotonic() + self._timeout_s
-                                 if deadline is None else deadline))
+                p.parked.append((ident, park(time.monotonic(), self._timeout_s, wait_s)
+                                 if place is None else place))
                 log.info("rank %d: a begin waits for its receive (earlier tasks on its blocks "
                          "still run)", self.rank)
                 return
@@ -392,8 +395,8 @@ class PeerReceiver:
     def _sweep(self) -> None:
         """Answer parked begins whose receive is armed or gone; end expired receives."""
         now = time.monotonic()
-        for ident, nonce, ticket, p, deadline in self._early.due(self._admitted, now):
-            self._on_begin(ident, nonce, p, ticket, deadline)
+        for ident, nonce, ticket, p, place in self._early.due(self._admitted, now):
+            self._on_begin(ident, nonce, p, ticket, place=place)
         with self._lock:
             refused, self._refused = self._refused, []
         for ident in refused:

@@ -64,7 +64,7 @@ import logging
 import mmap
 import os
 import threading
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import posix_ipc
@@ -91,14 +91,13 @@ _libc.munmap.restype = ctypes.c_int
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
-def fences(v: Any) -> bool:
+def fences(v: tuple[int, int] | None) -> bool:
     """Does a ``begin`` carrying protocol version ``v`` write through the window its
-    answer names?  (Before 1.9 a begin has no version and writes the pool.)"""
-    try:
-        major, minor = v
-        return (int(major), int(minor)) >= FENCED_SINCE
-    except (TypeError, ValueError):
-        return False
+    answer names?  (Before 1.9 a begin has no version and writes the pool.)  ``v`` as
+    the listener checked it (daemon/peer_receiver.py ``read_message``): None, or two
+    integers; anything else was refused PROTOCOL_ERROR there (``int(inf)`` here had
+    raised OverflowError in the listener thread and failed the rank)."""
+    return v is not None and v >= FENCED_SINCE
 
 
 def _map(addr: int | None, length: int, flags: int, fd: int) -> int:

@@ -12,6 +12,12 @@ replies are one code path for both transports.
 A reply that finds the completion ring full waits in order in a local queue and
 goes out at the next :meth:`drain`, which the client's reader triggers by ringing
 the request bell once it has made room: no reply is dropped.
+
+The loop also calls :meth:`drain` when its poll times out (at least once a second),
+so a wake-up lost to another process's store costs at most that.  A completion
+ring whose ``put`` raises :data:`RingCorrupt` cannot be written again by this
+daemon: it shuts both rings (:meth:`RingServer._shut`) rather than retry; the
+client's next ring write then fails and it uses ZeroMQ.
 """
 
 from __future__ import annotations
@@ -79,6 +85,8 @@ class RingServer:
         self._backlog: collections.deque[list] = collections.deque()  # replies not written yet
         self._bell_owed = False  # a reply was written while the client's reader slept
         self.read = 0  # requests read (for tests and stats)
+        self.shut_why: str | None = None  # set once the rings are shut (_shut)
+        self.dropped = 0  # replies dropped because the rings are shut
 
     def fileno(self) -> int:
         """The request doorbell: readable when the client rang."""
@@ -88,11 +96,13 @@ class RingServer:
         """Serve the requests on the ring, then sleep-arm it (I/O thread).  At most
         :data:`BURST` per call, like the ROUTER's reads, so replies and the other
         sockets are not starved; with more waiting it rings its own bell, so the
-        loop comes back at once."""
+        loop comes back at once.  Once the rings are shut it reads nothing."""
         self._rx.drain()
         self._flush()
         rq = self._seg.request
         for _ in range(BURST):
+            if self.shut_why is not None:  # a reply just shut them: read no further
+                return
             try:
                 frames = rq.get()
             except RingCorrupt as exc:
@@ -123,10 +133,36 @@ class RingServer:
             self._backlog.append(frames)
 
     def _put(self, frames: list) -> bool:
-        rc = self._seg.completion.put(frames)
-        if rc > 0:
-            self._bell_owed = True
-        return rc >= 0
+        """Write one reply; False if the completion ring is full.  True also when the
+        reply is dropped because the rings are shut: nothing then waits for room
+        that would never come."""
+        if self.shut_why is None:
+            try:
+                rc = self._seg.completion.put(frames)
+            except RingCorrupt as exc:
+                self._shut(f"the completion ring is corrupt ({exc})")
+            else:
+                if rc > 0:
+                    self._bell_owed = True
+                return rc >= 0
+        self.dropped += 1
+        return True
+
+    def _shut(self, why: str) -> None:
+        """Stop serving the rings, for good (until this daemon is replaced).
+
+        Another process wrote the completion ring's indices, so this daemon cannot
+        write a reply there without trusting them (the producer never repairs an
+        index the consumer may also have seen).  Retrying would fail at every
+        reply; serving requests whose replies are dropped would leave the client
+        waiting out every deadline.  So the request ring is shut too: the client's
+        next write fails and it moves to ZeroMQ (docs/protocol.md section 15).
+        Requests left in the ring and replies not written end at their deadlines."""
+        self.shut_why = why
+        self._seg.request.shut()
+        log.error("rank %d: %s; both shared-memory rings are shut: replies to ring "
+                  "requests are dropped (their deadlines cover them) and the client "
+                  "moves to ZeroMQ at its next request", self.rank, why)
 
     def publish(self) -> None:
         """Ring the completion bell if a reply written since the last call found the
@@ -144,6 +180,9 @@ class RingServer:
         if self._backlog:
             log.warning("rank %d: %d ring replies never found room", self.rank,
                         len(self._backlog))
+        if self.dropped:
+            log.warning("rank %d: %d ring replies dropped after the rings were shut",
+                        self.rank, self.dropped)
         for bell in (self._rx, self._self_ring, self._tx):
             bell.close()
         self._unlink()

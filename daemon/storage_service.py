@@ -39,6 +39,7 @@ from kvswap.daemon.storage_entries import EntryPart
 from kvswap.daemon.storage import (
     HEADER_BYTES,
     CorruptEntry,
+    NotAnEntry,
     StorageBackend,
     StorageError,
     open_backend,
@@ -242,9 +243,23 @@ class StorageService:
         def cancelled() -> bool:
             return task.cancel_requested or rank.stopping.is_set()
 
+        def queued_here() -> set[int]:  # the agreed tasks admitted here, not yet run
+            return att.scheduler.ids_of(lambda t: OPS[t.op].agreed
+                                        and t.state in NOT_STARTED)
+
+        timeout = rank.cfg.storage_timeout_s
+
+        def give_up() -> None:
+            # the peers stop waiting for this rank at once; this rank then waits (at most
+            # the storage timeout) until they have reached the task, so that it never runs
+            # so far ahead that its ring overwrites a mark they have yet to read
+            # (agreement.py, "The ring is never overrun")
+            rank.agreement.abort(task_id, last_round=1, timeout=timeout, cancelled=cancelled,
+                                 queued_here=queued_here)
+
         gave_up = rank.agreement.gave_up(task_id)
         if gave_up is not None:  # it gave way to a crossed task, or its store failed
-            rank.agreement.abort(task_id, last_round=1)
+            give_up()
             raise BarrierAborted(f"agreement on task {task_id}: rank {gave_up} gave up before "
                                  f"this rank began (see its reply)")
         deadline = (None if opts.timeout is None
@@ -253,13 +268,8 @@ class StorageService:
         try:
             verified = self._read_verified(parts, stages, opts.policy, deadline, cancelled)
         except BaseException:
-            rank.agreement.abort(task_id, last_round=1)  # the peers stop waiting for this rank
+            give_up()
             raise
-        timeout = rank.cfg.storage_timeout_s
-
-        def queued_here() -> set[int]:  # the agreed tasks admitted here, not yet run
-            return att.scheduler.ids_of(lambda t: OPS[t.op].agreed
-                                        and t.state in NOT_STARTED)
 
         agreed = rank.agreement.agree(task_id, 0, verified, timeout, cancelled, last_round=1,
                                       queued_here=queued_here)
@@ -347,6 +357,8 @@ class StorageService:
         def check(part: EntryPart, fp: bytes, names: list[str], first: int, got: list,
                   stage: np.ndarray) -> tuple[int, CorruptEntry] | None:
             for i, raw in enumerate(got, first):
+                if isinstance(raw, NotAnEntry):  # e.g. a Redis list under the name
+                    return i, CorruptEntry(raw.reason)
                 view, row = memoryview(raw), stage[lo + i]
                 if view.nbytes <= row.nbytes and address(view)[0] != row.ctypes.data:
                     row[:view.nbytes] = np.frombuffer(view, np.uint8)

@@ -237,7 +237,7 @@ class HostSwapSpace:
             posix_ipc.unlink_shared_memory(name)
         check_fits(layout.size, f"rank {rank}'s host pool ({num_host_blocks} blocks per tensor "
                                 f"x {len(tensors)} tensors)", memory)
-        region = ShmRegion.create(name, layout.size)
+        region = ShmRegion.create(name, layout.size, allocate_now=False)  # populate() does
         hdr = region.array(0, (HEADER_BYTES,), np.uint8)
         words = hdr[:_DATA + 8].view("<u8")
         hdr[_HASH:_HASH + 32] = np.frombuffer(digest, dtype=np.uint8)

@@ -23,13 +23,26 @@ from kvswap.daemon.agreement import Agreement
 
 @pytest.fixture
 def ranks(namespaces):
+    """Two ranks' Agreements on a real signal segment and real semaphores, both ranks
+    kept live (heartbeats) however long a test runs."""
     names = namespaces.new()
     seg = SignalSegment.create(names, 2)
     create_semaphores(names, 2)
     for r in range(2):
         seg.rank(r)[RankSlot.HEARTBEAT_NS] = now_ns()
+    beating = threading.Event()
+
+    def heartbeat():
+        while not beating.wait(0.5):
+            for r in range(2):
+                seg.rank(r)[RankSlot.HEARTBEAT_NS] = now_ns()
+
+    beat = threading.Thread(target=heartbeat, daemon=True)
+    beat.start()
     ags = [Agreement(seg, r, stale_after_s=60) for r in range(2)]
     yield seg, ags
+    beating.set()
+    beat.join(5)
     for a in ags:
         a.close()
     seg.close()

@@ -487,3 +487,23 @@ def test_a_cache_worker_refuses_bad_arguments_before_anything_happens(namespaces
     with pytest.raises(KvswapError, match="CacheWorker is closed"):
         worker.alloc_host_tensor("k1", (32, 8), "uint8")
     assert devices() == []
+
+
+def test_a_segment_dev_shm_cannot_hold_is_refused_at_creation_not_a_sigbus_later():
+    """Segments were created sparse: with /dev/shm full, the first write to an
+    unbacked page killed the process with SIGBUS (the HostCache mirror, a daemon's
+    simulated device tensors), no error to read.  Every page is allocated at
+    creation: a segment /dev/shm cannot hold is a ShmFull naming it and the room,
+    and nothing is left behind."""
+    import os
+
+    from kvswap.client.shm_region import SHM_DIR, ShmFull, ShmRegion
+
+    st = os.statvfs(SHM_DIR)
+    name = f"/kvswap.full{os.getpid()}"
+    too_big = st.f_blocks * st.f_frsize + (1 << 20)  # more than the whole file system
+    with pytest.raises(ShmFull, match=rf"{name}: {SHM_DIR} has no room for its {too_big} "
+                                      rf"bytes") as ei:
+        ShmRegion.create(name, too_big)
+    assert ei.value.code == ErrorCode.NAMESPACE_ERROR
+    assert not os.path.exists(f"{SHM_DIR}{name}")

@@ -20,6 +20,7 @@ from kvswap.client.block_keys import entry_name, model_fingerprint, storage_key
 from kvswap.client.host_cache_stats import FIELDS, READ_PATIENCE_S, SLOTS, read_host_cache
 from kvswap.client.layout import TensorDesc, demo_layout, layout_hash
 from kvswap.client.monitor import format_table, read_status
+from kvswap.client.signals import RankSlot, RankState, poll_until
 from kvswap.daemon.bench_trace import ReplaySetup, replay_bookkeeping, replay_daemons
 from kvswap.daemon.storage import open_backend
 from kvswap.daemon.trace import SyntheticConfig, synthetic_trace
@@ -489,12 +490,13 @@ def test_persisted_index_survives_the_engine_and_never_names_a_rewritten_block(s
 
     second = HostCache(HOST, policy, persist=ns, run_root=rr)
     assert second.stats()["recovered"] == 7
+    assert second.stats()["quarantined"] == 9  # the stores the dead engine had prepared
     (event,) = second.take_events()
     assert not event.removed and event.hashes == [_key(h) for h in stored[1:]]
     assert second.lookup([_key(h) for h in stored[1:]]) == 7
     assert second.lookup([_key(100)]) == 0 and second.lookup([_key(200)]) == 0
-    # the recency order came back too: the oldest recovered block is the first victim
-    extra = [_key(h) for h in range(400, 410)]
+    # the store order came back too: the oldest recovered block is the first victim
+    extra = [_key(400)]  # no free block: 7 recovered, 9 quarantined
     assert second.prepare_store(extra).evicted == [_key(101)]
     second.complete_store(extra, success=False)
     device.wipe(list(range(8)))
@@ -533,6 +535,78 @@ def test_a_closed_persisted_cache_leaves_its_successor_only_blocks_that_hold_the
     second.close()
 
 
+def test_blocks_being_written_when_the_engine_died_are_quarantined(system):
+    """A successor handed out the blocks its predecessor was writing when it died, but
+    that engine's evict may still be on its way (a busy daemon, a message in its
+    socket) and would land after the successor's own evict there: lookup hit, fetch
+    loaded the dead engine's bytes.  They are quarantined until every rank has
+    restarted (which drops whatever a dead client left in its sockets)."""
+    from test_faults import Supervising
+
+    launcher, client, device = system
+    ns, rr = launcher.names.namespace, str(launcher.names.run_root)
+    first = HostCache(4, persist=ns, run_root=rr)
+    device.write([0, 1], [70, 71])
+    first.offload(client, [_key(70), _key(71)], [0, 1]).result(30)
+    first.poll()
+    out = first.prepare_store([_key(72)])  # the engine dies with this evict maybe sent
+    assert out is not None and out.host_blocks.tolist() == [2]
+    del first, out  # a crash: no close()
+
+    second = HostCache(4, persist=ns, run_root=rr)
+    out = second.prepare_store([_key(73), _key(74)])  # one free block, one eviction
+    assert out is not None and 2 not in out.host_blocks.tolist()
+    assert out.evicted == [_key(70)]
+    assert (second.stats()["recovered"], second.stats()["quarantined"]) == (2, 1)
+    second.complete_store([_key(73), _key(74)], success=False)
+    del second, out
+    third = HostCache(4, persist=ns, run_root=rr)  # no rank restarted: still held
+    # block 2, and 3 and 0 too: a store that failed (a timeout) may still run
+    assert third.stats()["quarantined"] == 3
+    third.close()
+
+    assert launcher.supervise_once() is None  # the supervisor has seen every rank serve
+    with Supervising(launcher):
+        for proc in launcher.procs:
+            os.kill(proc.pid, signal.SIGKILL)
+        assert poll_until(lambda: True if all(
+            int(launcher.seg.ranks[r, RankSlot.EPOCH]) == 2
+            and launcher.seg.state_of(r) == RankState.READY for r in range(2)) else None,
+            time.monotonic() + 30), launcher.progress()
+    fourth = HostCache(4, persist=ns, run_root=rr)
+    assert (fourth.stats()["recovered"], fourth.stats()["quarantined"]) == (1, 0)
+    assert fourth.prepare_store([_key(75), _key(76), _key(77)]).host_blocks.tolist() == [0, 2, 3]
+    fourth.close()
+
+
+def test_a_second_live_persisted_cache_is_refused(system):
+    """Two live HostCaches of one namespace both handed out block 0 and both wrote the
+    one mirror; the successor recovered one's key for the other's bytes.  The
+    mirror names its owner: a second cache is refused while that process lives."""
+    launcher, _, _ = system
+    ns, rr = launcher.names.namespace, str(launcher.names.run_root)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from kvswap.client import HostCache; "
+         f"c = HostCache(4, persist={ns!r}, run_root={rr!r}); print('owned', flush=True); "
+         "sys.stdin.readline(); c.close(); print('closed', flush=True)"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "owned"
+        with pytest.raises(NamespaceError, match=f"owned by the live HostCache of pid "
+                                                 f"{owner.pid}"):
+            HostCache(4, persist=ns, run_root=rr)
+        owner.stdin.write("\n")
+        owner.stdin.flush()
+        assert owner.stdout.readline().strip() == "closed"
+        mine = HostCache(4, persist=ns, run_root=rr)  # given up at close()
+        with pytest.raises(NamespaceError, match="another live HostCache of this process"):
+            HostCache(4, persist=ns, run_root=rr)
+        mine.close()
+    finally:
+        owner.kill()
+        owner.wait(10)
+
+
 def test_a_damaged_mirror_is_discarded_not_fatal(system, caplog):
     """A mirror with one key in two ready blocks made every HostCache(persist=)
     raise (from the index's adopt) and left the segment mapped; a stamp near 2**64
@@ -544,7 +618,7 @@ def test_a_damaged_mirror_is_discarded_not_fatal(system, caplog):
     launcher, client, device = system
     ns, rr = launcher.names.namespace, str(launcher.names.run_root)
     device.write([0, 1], [20, 21])
-    keys_at = HEADER_SLOTS * 8 + 2 * 8  # TP 2
+    keys_at = HEADER_SLOTS * 8 + 2 * 2 * 8  # TP 2: pool inodes, quarantine epochs
     for damage in ("same key", "stamp"):
         first = HostCache(4, persist=ns, run_root=rr)
         first.offload(client, [_key(20), _key(21)], [0, 1]).result(30)
@@ -589,6 +663,26 @@ def test_the_mirror_works_again_after_a_weight_update(system):
     device.wipe([8, 9, 10])
     second.fetch(client, [_key(h) for h in (32, 33, 34)], [8, 9, 10]).result(30)
     assert device.holds([8, 9, 10], [32, 33, 34])
+    second.close()
+
+
+def test_a_scheduler_dead_between_clear_caches_and_clear_leaves_no_old_weights(system):
+    """clear_caches(free_host=False) keeps the pools (and their inodes): a scheduler
+    that died before its cache's clear() left a mirror its successor trusted, and
+    lookup hit blocks of the old weights.  The mirror records the namespace's
+    barrier generation, which every clear_caches moves: the successor discards it."""
+    launcher, client, device = system
+    ns, rr = launcher.names.namespace, str(launcher.names.run_root)
+    first = HostCache(HOST, persist=ns, run_root=rr)
+    device.write([0, 1], [80, 81])
+    first.offload(client, [_key(80), _key(81)], [0, 1]).result(30)
+    first.poll()
+    client.clear_caches(free_host=False).result(30)
+    del first  # dies before first.clear()
+    client.restore_caches().result(30)
+    client.wait_ready(30)
+    second = HostCache(HOST, persist=ns, run_root=rr)
+    assert second.stats()["recovered"] == 0 and second.lookup([_key(80)]) == 0
     second.close()
 
 

@@ -606,6 +606,47 @@ def test_a_rank_whose_fences_hold_too_much_scratch_fails_and_is_restarted(namesp
     assert dec.supervisor.restarts == 1
 
 
+def test_a_send_whose_receiver_answers_what_it_cannot_read_fails_and_frees_its_blocks(
+        namespaces):
+    """A receiver answering begin with an error code this build does not know (99999),
+    a list, or bytes that are not msgpack killed the sending daemon's peer worker: the
+    send was never answered (RankTimeout), its source block stayed held, and after
+    two of them every later send hung.  Each send fails PROTOCOL_ERROR at once, an
+    evict into its source block runs, and no thread died.  A ticket naming a notify
+    endpoint nobody can connect to ("bogus") is refused in the caller's thread.  The
+    tickets are the sending namespace's own entries with notify pointed elsewhere."""
+    import msgpack
+    from dataclasses import replace
+
+    from kvswap.client.peer_client import peer_infos
+    from test_peer_wire import _FakeReceiver
+
+    pre = _launch(namespaces, 1)
+    fake = _FakeReceiver([[msgpack.packb({"code": 99999, "message": "a newer code"})],
+                          [msgpack.packb(["not", "a", "map"])], [b"\xc1"]])
+    try:
+        with _client(pre, task_timeout=10) as client:
+            client.evict([1], [1]).result(timeout=30)
+            ranks, layout = peer_infos(client)
+            for words in ("error code 99999", "a list, not a map", "not msgpack"):
+                ticket = Ticket.issue(pre.names.namespace, layout, [5],
+                                      [replace(ranks[0], notify=fake.endpoint)], 60.0, None)
+                sent = client.send_to(ticket.to_bytes(), [1])
+                with pytest.raises(TransferFailed) as exc:
+                    sent.result(timeout=30)
+                assert exc.value.code == ErrorCode.PROTOCOL_ERROR, exc.value
+                assert words in str(exc.value), exc.value
+            client.evict([2], [1]).result(timeout=30)  # the sends' source block is free
+            body = ticket.body()
+            body["ranks"][0]["notify"] = "bogus"
+            with pytest.raises(TicketRefused, match="notify .* must be 'tcp://HOST:PORT'"):
+                client.send_to(msgpack.packb(body), [1])
+    finally:
+        fake.close()
+    log = (pre.names.run_dir / "rank0.log").read_text()
+    assert "Exception in thread" not in log, log[-2000:]
+
+
 def test_a_begin_that_cannot_be_read_is_refused_and_the_listener_goes_on(namespaces):
     """A begin whose ticket held an infinite expiry raised OverflowError in the
     listener thread, which died: every receive of the rank then hung with its blocks
@@ -723,8 +764,8 @@ def test_a_begin_parked_before_another_took_the_receive_is_answered():
     ctx = zmq.Context()
     receiver = PeerReceiver(ctx, "127.0.0.1", 0, b"", 30.0, lambda *a: ended.append(a),
                             on_dead=ended.append, on_stale=ended.append)
-    ticket = Ticket.issue("ns", bytes(32), [3], [RankEndpoint("te", receiver.endpoint, (1,),
-                                                             (4096,), 1)], 60.0, None)
+    ticket = Ticket.issue("ns", bytes(32), [3], [RankEndpoint("127.0.0.1:1", receiver.endpoint,
+                                                             (1,), (4096,), 1)], 60.0, None)
     raw = ticket.to_bytes()
     a, b = _RawSender(receiver.endpoint), _RawSender(receiver.endpoint)
     try:
@@ -811,8 +852,8 @@ def test_a_begin_for_a_receive_that_ended_meanwhile_is_answered_once(ended_by):
     ctx = zmq.Context()
     receiver = PeerReceiver(ctx, "127.0.0.1", 0, b"", 30.0, lambda *a: None,
                             on_dead=print, on_stale=print)
-    ticket = Ticket.issue("ns", bytes(32), [3], [RankEndpoint("te", receiver.endpoint, (1,),
-                                                             (4096,), 1)], 60.0, None)
+    ticket = Ticket.issue("ns", bytes(32), [3], [RankEndpoint("127.0.0.1:1", receiver.endpoint,
+                                                             (1,), (4096,), 1)], 60.0, None)
     raw, nonce = ticket.to_bytes(), ticket.nonce
     a, b = _RawSender(receiver.endpoint), _RawSender(receiver.endpoint)
     real = receiver._on_begin

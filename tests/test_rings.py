@@ -12,15 +12,16 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
 
-from kvswap.client import InvalidTask, TransferClient, rings
+from kvswap.client import InvalidTask, RankTimeout, TransferClient, rings
 from kvswap.client.errors import ErrorCode
 from kvswap.client.naming import Names
-from kvswap.client.protocol import Op, Reply, decode_reply, transfer_message
+from kvswap.client.protocol import Op, Reply, decode_reply, encode_reply, transfer_message
 from kvswap.client.rings import (
     Bell,
     RingCorrupt,
@@ -31,7 +32,7 @@ from kvswap.client.rings import (
 )
 from kvswap.client.signals import poll_until
 from kvswap.client.transfer_client import TransferFuture, _Dispatcher, _Envelope
-from kvswap.client.transport import Channel
+from kvswap.client.transport import Channel, PathChoice, Transport
 from kvswap.daemon.ring_server import RingServer
 
 from conftest import SMALL_LAYOUT
@@ -440,3 +441,279 @@ def test_a_flood_is_served_in_bursts_without_losing_the_rest(names):
         peer.close()
     finally:
         server.close()
+
+
+# ---------------------------------------------------------------- indices another process wrote
+#
+# Every process of the namespace's uid can store anything in a ring segment.  A bad
+# index must cost the ring (and the requests in it, covered by their deadlines), never
+# a write outside the data area, a daemon, or the rank's later requests.
+
+
+def _ctl(seg, ctl: int) -> tuple[int, int]:
+    head, = struct.unpack_from("<Q", seg.region._buf, ctl)
+    tail, = struct.unpack_from("<Q", seg.region._buf, ctl + 64)
+    return head, tail
+
+
+def _set(seg, ctl: int, head: int | None = None, tail: int | None = None,
+         sleep: int | None = None) -> None:
+    """Store indices as a hostile or buggy process would: plain stores."""
+    buf = seg.region._buf
+    if head is not None:
+        struct.pack_into("<Q", buf, ctl, head)
+    if tail is not None:
+        struct.pack_into("<Q", buf, ctl + 64, tail)
+    if sleep is not None:
+        struct.pack_into("<I", buf, ctl + 72, sleep)
+
+
+@pytest.mark.parametrize("head, tail", [
+    (4096 - 4, 4096 - 4),  # unaligned, 4 bytes before the end: the wrap marker overran it
+    (12, 12),  # unaligned: every later record off the 8-byte grid
+    (16, 12),  # unaligned tail
+    (3 * 4096, 0),  # more written than the ring holds
+])
+def test_put_refuses_indices_it_did_not_make_and_writes_nothing(seg, head, tail):
+    _set(seg, rings.REQUEST_CTL, head, tail)
+    before = bytes(seg.region._buf)
+    with pytest.raises(RingCorrupt, match="nothing was written"):
+        seg.request.put([b"abc", b"0123456789"])
+    assert bytes(seg.region._buf) == before  # not a byte, in the ring or beyond it
+
+
+_WRITE_AT_THE_END = textwrap.dedent("""
+    import struct, sys
+    from kvswap.client.naming import Names
+    from kvswap.client.rings import COMPLETION_CTL, RingCorrupt, RingSegment
+    seg = RingSegment.attach(Names.of(sys.argv[1], sys.argv[2]), 0)
+    cap = seg.capacity
+    # the completion area ends where the mapping ends: head = tail = C - 4
+    struct.pack_into("<Q", seg.region._buf, COMPLETION_CTL, cap - 4)
+    struct.pack_into("<Q", seg.region._buf, COMPLETION_CTL + 64, cap - 4)
+    try:
+        print("written", seg.completion.put([b"reply"]))
+    except RingCorrupt as exc:
+        print("refused", exc)
+""")
+
+
+def test_a_bad_index_at_the_end_of_the_segment_never_crashes_the_writer(names, seg):
+    """The daemon's reply after a hostile ``head = tail = C - 4`` wrote its wrap
+    marker 4 bytes past the segment (SIGSEGV, the rank gone).  In a child process,
+    since that write may kill whoever makes it."""
+    child = subprocess.run([sys.executable, "-c", _WRITE_AT_THE_END, names.namespace,
+                            str(names.run_root)], capture_output=True, text=True, timeout=30)
+    assert child.returncode == 0, f"the writer died: {child.returncode} {child.stderr[-400:]}"
+    assert child.stdout.startswith("refused ring indices out of bounds"), child.stdout
+
+
+def test_get_refuses_an_unaligned_tail(seg):
+    """A record at an unaligned tail is never read (its header could lie past the
+    area): everything unread is dropped, and the ring works again."""
+    buf, data = seg.region._buf, rings.DATA_OFFSET
+    # a well-formed record at offset 4: size 8, one frame, kind 0, length 4, b"evil"
+    struct.pack_into("<IHHI4s", buf, data + 4, 8, 1, 0, 4, b"evil")
+    _set(seg, rings.REQUEST_CTL, head=24, tail=4)
+    with pytest.raises(RingCorrupt, match="out of bounds"):
+        seg.request.get()
+    assert _ctl(seg, rings.REQUEST_CTL) == (24, 24)
+    assert seg.request.get() is None
+    assert seg.request.put([b"next"]) >= 0 and seg.request.get() == [b"next"]
+
+
+def test_an_unaligned_head_costs_one_error_and_the_writer_stops(seg):
+    """After ``head += 4`` the reader drops what is unread and then sees an empty ring
+    (it raised at every look, and the daemon answered PROTOCOL_ERROR 256 times per
+    round); the writer's next put fails instead of writing off the grid forever."""
+    ring = seg.request
+    assert ring.put([b"lost"]) == 1
+    head, _ = _ctl(seg, rings.REQUEST_CTL)
+    _set(seg, rings.REQUEST_CTL, head=head + 4)
+    with pytest.raises(RingCorrupt):
+        ring.get()
+    assert ring.get() is None and ring.get() is None  # one error, not one per look
+    assert ring.arm() is True  # empty: the reader may sleep
+    with pytest.raises(RingCorrupt):
+        ring.put([b"next"])
+    assert _ctl(seg, rings.REQUEST_CTL) == (head + 4, head + 4)
+
+
+def test_shut_makes_every_later_put_fail(seg):
+    ring = seg.request
+    assert ring.put([b"a"]) == 1
+    ring.shut()
+    for _ in range(2):
+        with pytest.raises(RingCorrupt):
+            ring.put([b"b"])
+
+
+def _echo_server(names: Names, seen: list):
+    """A RingServer at epoch 5 whose handler records each request and answers OK."""
+
+    def on_request(frames, dropped, sock, signed):
+        seen.append(frames[1].bytes)
+        sock.send_multipart([frames[0], encode_reply(len(seen), 0, ErrorCode.OK)])
+
+    return RingServer(names, 0, 5, on_request, capacity=4096)
+
+
+def test_a_daemon_that_cannot_write_its_replies_shuts_both_rings(names):
+    """A completion ring with indices the daemon did not make: the reply is dropped
+    (not retried at every round), no further request is read, and the client's next
+    write fails, so it moves to ZeroMQ rather than wait out every deadline."""
+    seen: list = []
+    server = _echo_server(names, seen)
+    try:
+        peer = RingPeer.open(names, 0, 5, owner_token(os.getpid(), 1))
+        _set(peer.seg, rings.COMPLETION_CTL, head=12, tail=12)
+        assert peer.send([b"first"])
+        server.drain()  # the handler's reply finds the completion ring corrupt
+        assert seen == [b"first"]
+        with pytest.raises(RingCorrupt):
+            peer.send([b"second"])
+        assert server.shut_why is not None and "completion ring is corrupt" in server.shut_why
+        assert server.dropped == 1
+        server.drain()
+        server.send([b"late reply"])  # a worker's completion after the shut
+        assert seen == [b"first"] and server.dropped == 2
+        peer.close()
+    finally:
+        server.close()
+
+
+def test_a_client_whose_ring_write_fails_uses_zeromq_and_keeps_the_message(names):
+    """Transport level: the failed write is not an exception for the dispatcher but
+    "not sent now" (it stays in the rank's backlog), the reader is told to look
+    again, the rank's messages want ZeroMQ from then on, and the completion ring is
+    still read for what the ring owes."""
+    seen: list = []
+    server = _echo_server(names, seen)
+    wire = Transport(names, [names.endpoint(0)], PathChoice.RING, 1, lambda r: 5)
+    try:
+        frames = [b"request"]
+        assert wire.channel(frames, 0) is Channel.RING
+        head, _ = _ctl(wire.rings[0].seg, rings.REQUEST_CTL)
+        _set(wire.rings[0].seg, rings.REQUEST_CTL, head=head + 4)
+        wire.take_look()
+        assert wire.send(frames, 0, Channel.RING) is False
+        assert wire.take_look() is True  # the reader pumps the backlog again
+        assert wire.channel(frames, 0) is Channel.ZMQ
+        server.drain()  # finds the bad head: drops the ring's bytes, PROTOCOL_ERROR
+        server.publish()
+        (reply,) = wire.receive(wire.everything())
+        assert reply.code == ErrorCode.PROTOCOL_ERROR and reply.id is None
+        assert seen == []
+        wire.reconnect(0)  # the rank restarted: its new rings may be used again
+        assert wire.channel(frames, 0) is Channel.RING
+    finally:
+        wire.close()
+        server.close()
+
+
+_KILLED_AFTER_PUT = textwrap.dedent("""
+    import os, signal, sys
+    from kvswap.client.naming import Names
+    from kvswap.client.rings import RingSegment, owner_token
+    seg = RingSegment.attach(Names.of(sys.argv[1], sys.argv[2]), 0)
+    assert seg.claim(owner_token(os.getpid(), 7))
+    assert seg.request.put([b"left behind"]) == 1  # it cleared sleep: it owes the bell
+    os.kill(os.getpid(), signal.SIGKILL)  # killed before it rang
+""")
+
+
+def test_a_new_owner_is_heard_after_its_predecessor_died_before_ringing(names):
+    seen: list = []
+    server = _echo_server(names, seen)
+    try:
+        child = subprocess.run([sys.executable, "-c", _KILLED_AFTER_PUT, names.namespace,
+                                str(names.run_root)], capture_output=True, timeout=30)
+        assert child.returncode == -9, child.stderr
+        assert not select.select([server], [], [], 0)[0]  # nobody rang: the daemon sleeps
+        peer = RingPeer.open(names, 0, 5, owner_token(os.getpid(), 1))  # takes the claim over
+        assert select.select([server], [], [], 0)[0], "the new owner did not ring"
+        server.drain()
+        assert seen == [b"left behind"]
+        assert peer.send([b"mine"])
+        assert select.select([server], [], [], 0)[0]  # re-armed: our writes ring again
+        server.drain()
+        assert seen == [b"left behind", b"mine"]
+        peer.close()
+    finally:
+        server.close()
+
+
+# ---------------------------------------------------------------- against a real daemon
+
+
+def _launch_one(namespaces):
+    launcher = namespaces.launch(tp=1, demo_caches=SMALL_LAYOUT)
+    return launcher, launcher.names.namespace, str(launcher.names.run_root)
+
+
+def test_daemon_reads_its_ring_without_a_doorbell(namespaces):
+    """Another process clears the request ring's ``sleep`` while the daemon sleeps:
+    the client's writes no longer ring, and the daemon must find them on its own
+    (its I/O loop's timeout, at most a second), not never."""
+    launcher, ns, root = _launch_one(namespaces)
+    c = TransferClient(ns, 1, run_root=root, task_timeout=2.5)
+    try:
+        c.wait_ready(20)
+        assert c.ping().result(5)
+        seg = c._wire.rings[0].seg
+        sleep_word = rings.REQUEST_CTL + 72
+        assert poll_until(lambda: True if struct.unpack_from("<I", seg.region._buf,
+                                                             sleep_word)[0] else None,
+                          time.monotonic() + 5), "the daemon never went to sleep"
+        _set(seg, rings.REQUEST_CTL, sleep=0)
+        assert c.ping().result(5)  # within its 2.5 s deadline: not never
+        assert c._wire.rings[0] is not None and c._wire.channel([b"x"], 0) is Channel.RING
+    finally:
+        c.close()
+
+
+def test_client_moves_to_zeromq_when_its_request_ring_is_corrupt(namespaces):
+    """End to end: an unaligned request-ring head made every later ring request of
+    the client vanish (answered PROTOCOL_ERROR without an id); now the request that
+    finds it goes over ZeroMQ, and so do the rank's later ones."""
+    launcher, ns, root = _launch_one(namespaces)
+    c = TransferClient(ns, 1, run_root=root, task_timeout=1.5)
+    try:
+        c.wait_ready(20)
+        assert c.ping().result(5)
+        seg = c._wire.rings[0].seg
+        head, _ = _ctl(seg, rings.REQUEST_CTL)
+        _set(seg, rings.REQUEST_CTL, head=head + 4)
+        assert c.evict([1], [1]).result(5)  # the message that hit the error
+        assert c.load([1], [2]).result(5)
+        assert c._wire.channel([b"x"], 0) is Channel.ZMQ
+    finally:
+        c.close()
+
+
+def test_a_corrupt_completion_ring_costs_one_reply_not_the_daemon(namespaces):
+    """End to end: ``head = tail = C - 4`` in the completion ring made the daemon's
+    next reply kill it (SIGSEGV).  Now that reply is lost, the daemon lives, and
+    the client's next request goes over ZeroMQ."""
+    launcher, ns, root = _launch_one(namespaces)
+    seg = RingSegment.attach(launcher.names, 0)
+    try:
+        _set(seg, rings.COMPLETION_CTL, head=seg.capacity - 4, tail=seg.capacity - 4)
+        c = TransferClient(ns, 1, run_root=root, task_timeout=1.0)
+        try:
+            c.wait_ready(20)
+            with pytest.raises(RankTimeout):
+                c.ping().result(5)
+            assert c.ping().result(5)
+            assert c._wire.channel([b"x"], 0) is Channel.ZMQ
+        finally:
+            c.close()
+        assert launcher.procs[0].poll() is None, "the daemon died"
+    finally:
+        seg.close()
+
+
+def test_signals_doc_lists_the_ring_segment():
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    objects = (docs / "signals.md").read_text().split("## 9.")[1].split("\n## ")[0]
+    assert "`/kvswap.<ns>.ring.r<r>`" in objects

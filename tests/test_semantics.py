@@ -414,6 +414,45 @@ def test_a_write_back_load_held_for_its_evict_is_cancelled_on_the_client(namespa
             v.close()
 
 
+def test_a_write_through_backup_is_sent_only_after_its_evict_succeeded(namespaces, tmp_path):
+    """``evict(..., backup_keys=K)`` used to send its backup with the evict, ordered
+    after it on each rank by the host blocks alone: an evict cancelled while it
+    waited left the host blocks holding their old bytes, and the backup stored
+    those under K, entries every node sharing the store would then load as K's.
+    Held until the evict succeeded on every rank, it is never sent here: the
+    evict was cancelled, the backup fails CANCELLED, and nothing is stored."""
+    from kvswap.client.block_keys import block_hashes
+
+    launcher = namespaces.launch(tp=2, demo_caches=TINY, host_blocks=TINY_HOST,
+                                 storage_url=f"file://{tmp_path}/store")
+    old_keys, new_keys = block_hashes(list(range(8)), 2), block_hashes(list(range(8, 16)), 2)
+    host = [0, 1, 2, 3]
+    pid1 = launcher.procs[1].pid
+    with _client(launcher) as client:
+        client.evict([1, 2, 3, 4], host).result(20)
+        assert client.backup(host, old_keys).result(20).count == 4
+        os.kill(pid1, signal.SIGSTOP)  # rank 0's prefetch waits in its agreement for rank 1
+        try:
+            prefetch = client.prefetch(old_keys, host)
+            evict = client.evict([5, 6, 7, 8], host, backup_keys=new_keys)  # after it on host
+            evict.cancel()
+            # rank 0 has answered the evict (cancelled while it waited for the prefetch)
+            assert poll_until(lambda: evict.missing_ranks() == [1] or None,
+                              time.monotonic() + 20)
+        finally:
+            os.kill(pid1, signal.SIGCONT)
+        assert prefetch.result(20).count == 4
+        with pytest.raises(TransferFailed) as failed:
+            evict.result(20)
+        assert {f.code for f in failed.value.failures} == {ErrorCode.CANCELLED}
+        with pytest.raises(TransferFailed) as failed:
+            evict.backup.result(20)
+        assert [(f.rank, f.code) for f in failed.value.failures] == [
+            (0, ErrorCode.CANCELLED), (1, ErrorCode.CANCELLED)]
+        assert "not submitted" in str(failed.value)
+        assert client.exists(new_keys).result(20).count == 0  # no stale entry under K
+
+
 @pytest.mark.parametrize("policy, rank0_done_while_rank1_stopped", [
     ("write_through", 2),  # both tasks went out at once
     ("write_back", 1),  # the load waits for the evict on every rank

@@ -40,17 +40,17 @@ from kvswap.client.layout import TensorDesc, layout_hash
 from kvswap.daemon.storage import (
     BACKENDS,
     HEADER_BYTES,
-    MIN_SECONDS,
     CorruptEntry,
+    NotAnEntry,
     StorageBackend,
     check_url,
     open_backend,
     pack_entry,
-    parse_seconds,
     registered_schemes,
     unpack_entry,
 )
 from kvswap.daemon.storage.file import TMP_PREFIX, FileBackend, shard_of
+from kvswap.daemon.storage.url_options import MIN_SECONDS, parse_seconds
 
 FP = model_fingerprint(bytes(range(32)), "test-model@tp2")
 OTHER_FP = model_fingerprint(bytes(range(32)), "other-model@tp2")
@@ -593,6 +593,34 @@ def test_file_lru_eviction_keeps_recently_read_entries(store_dir):
         b2.put([(_name("huge"), [bytes(capacity + 1)])])
 
 
+def test_file_entry_far_too_long_is_read_only_one_byte_past_its_buffer(store_dir):
+    """An entry file extended to 1 TiB (sparse: a damaged or mistaken file) is read no
+    further than one byte past the caller's buffer, which is an entry's size: it is
+    rejected as too long, instead of failing every read with a MemoryError (it used
+    to be read whole)."""
+    b = FileBackend(store_dir)
+    name = _name("long")
+    _put(b, [name])
+    os.truncate(b._path(name), 1 << 40)
+    row = np.zeros(ENTRY_LEN, np.uint8)
+    got = b.get([name], [memoryview(row)])[0]
+    assert got is not None and len(got) == ENTRY_LEN + 1
+    with pytest.raises(CorruptEntry, match="trailing bytes"):
+        unpack_entry(got, FP, name, PAYLOAD_LEN)
+    # a file that fits its buffer is still read in place, whole
+    other = _name("fits")
+    _put(b, [other])
+    big = np.zeros(ENTRY_LEN + 100, np.uint8)
+    view = b.get([other], [memoryview(big)])[0]
+    assert len(view) == ENTRY_LEN
+    _check_entry(view, other)
+
+
+def test_not_an_entry_is_rejected_by_unpack_entry():
+    with pytest.raises(CorruptEntry, match="a Redis list value"):
+        unpack_entry(NotAnEntry("a Redis list value, not a string"), FP, _name(1), 10)
+
+
 def _writer(root: str, worker: int, names: list[str], capacity: int | None, start) -> None:
     b = FileBackend(root, capacity_bytes=capacity)
     start.wait(30)
@@ -664,6 +692,36 @@ def test_redis_put_get_contains_delete(redis_url, redis_server):
 
     assert 0 < redis.Redis.from_url(redis_url).ttl(_name("ttl")) <= 100
     u.close()
+
+
+def test_redis_value_of_another_type_is_not_an_entry(redis_url):
+    """A list (or any non-string) under an entry name: MGET reads it as nil, as if
+    missing, while EXISTS counted it, so it was a silent miss that no prefetch deleted
+    and every backup skipped.  Now ``get`` reports it as NotAnEntry (the daemon then
+    deletes it), and ``contains`` counts strings only."""
+    import redis
+
+    b = open_backend(redis_url)
+    names = [_name(f"type{i}") for i in range(4)]
+    _put(b, names[:1] + names[2:3])
+    r = redis.Redis.from_url(redis_url)
+    try:
+        r.rpush(names[1], b"junk")
+        r.hset(names[3], "k", "v")
+        got = b.get(names)
+        _check_entry(got[0], names[0])
+        _check_entry(got[2], names[2])
+        assert got[1] == NotAnEntry("a Redis list value, not a string")
+        assert got[3] == NotAnEntry("a Redis hash value, not a string")
+        assert b.get([_name("absent")]) == [None]  # a true miss is still None
+        assert b.contains(names + [_name("absent")]) == [True, False, True, False, False]
+        b.delete(names[1:2])  # what the daemon does with it
+        assert _put(b, names[1:2]) == [True]  # so it can be backed up again
+        _check_entry(b.get(names[1:2])[0], names[1])
+    finally:
+        r.delete(*names)
+        r.close()
+        b.close()
 
 
 def test_redis_calls_are_pipelined(redis_url, monkeypatch):

@@ -128,12 +128,13 @@ def test_rank_disagreement_loads_the_agreed_prefix_only(namespaces, tmp_path):
         tags.close()
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "swap", "rank"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "swap", "rank", "huge"])
 def test_corrupt_entry_is_a_miss_and_never_loaded(namespaces, tmp_path, damage):
-    """A damaged entry (flipped, truncated) and an intact one under another name (rank
-    0's entries of keys 2 and 3 swapped; rank 0's entry of key 2 copied over rank 1's,
-    with the same layout: before entry format 3 both loaded the wrong block) are misses
-    from that block on, logged once and deleted."""
+    """A damaged entry (flipped, truncated, extended to a sparse 1 TiB: that one failed
+    every prefetch with a MemoryError and was never deleted) and an intact one under
+    another name (rank 0's entries of keys 2 and 3 swapped; rank 0's entry of key 2
+    copied over rank 1's, with the same layout: before entry format 3 both loaded the
+    wrong block) are misses from that block on, logged once and deleted."""
     url = f"file://{tmp_path}/store"
     launcher = _launch(namespaces, url)
     tags = _tags(launcher)
@@ -156,6 +157,8 @@ def test_corrupt_entry_is_a_miss_and_never_loaded(namespaces, tmp_path, damage):
             assert store.put([(third, [other])]) == [True]
         store.delete([name])
         assert store.put([(name, [bytes(raw)])]) == [True]
+        if damage == "huge":
+            os.truncate(store._path(name), 1 << 40)
         tags.fill([31], [0])
         client.evict([31] * 4, [10, 11, 12, 13]).result()
         assert client.prefetch(keys, [10, 11, 12, 13]).result().count == 2
@@ -167,6 +170,42 @@ def test_corrupt_entry_is_a_miss_and_never_loaded(namespaces, tmp_path, damage):
         assert client.backup([0, 1, 2, 3], keys).result().replies[rank].fields["count"] == 1
     finally:
         store.close()
+        client.close()
+        tags.close()
+
+
+def test_a_redis_value_of_another_type_is_a_corrupt_entry(namespaces, redis_url):
+    """A list under rank 1's entry name of key 1: MGET reads it as nil and EXISTS counts
+    it, so it was a silent miss for ever (never logged or deleted, skipped by every
+    backup, counted by exists).  Now it is a corrupt entry: a miss, logged once and
+    deleted, and exists stops before it, as a prefetch does."""
+    import redis
+
+    launcher = _launch(namespaces, redis_url)
+    tags = _tags(launcher)
+    client = _client(launcher)
+    r = redis.Redis.from_url(redis_url)
+    keys = _keys(4, salt=11)
+    name = entry_name(keys[1], 1, FINGERPRINT)
+    try:
+        r.rpush(name, b"junk")
+        client.evict([1, 2, 3, 4], [0, 1, 2, 3]).result()
+        client.backup([0, 1, 2, 3], keys).result()
+        assert client.exists(keys).result().count == 1  # only strings are entries
+        assert client.prefetch(keys, [10, 11, 12, 13]).result().count == 1
+        log = (launcher.names.run_dir / "rank1.log").read_text()
+        assert log.count(f"storage entry {name} is unusable (a Redis list value") == 1
+        assert r.type(name) == b"none"  # deleted, so it can be backed up again
+        assert client.backup([0, 1, 2, 3], keys).result().replies[1].fields["count"] == 1
+        assert client.exists(keys).result().count == 4
+        tags.fill([31], [0])
+        client.evict([31] * 4, [10, 11, 12, 13]).result()
+        assert client.prefetch(keys, [10, 11, 12, 13]).result().count == 4
+        client.load([10, 11, 12, 13], [20, 21, 22, 23]).result()
+        assert tags.has([20, 21, 22, 23], [2, 3, 4, 5])
+    finally:
+        r.delete(name)
+        r.close()
         client.close()
         tags.close()
 

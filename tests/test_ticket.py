@@ -103,6 +103,54 @@ def test_a_field_of_the_wrong_type_is_refused_not_converted(field, value):
         Ticket.from_bytes(msgpack.packb(entry))
 
 
+@pytest.mark.parametrize("field,value,words", [
+    ("notify", "bogus", "notify (its completion listener) must be 'tcp://HOST:PORT'"),
+    ("notify", "tcp://a b:5", "notify"),
+    ("notify", "tcp://10.0.0.1:0", "notify"),
+    ("notify", "tcp://10.0.0.1:70000", "notify"),
+    ("notify", "ipc:///tmp/x", "notify"),
+    ("notify", "tcp://" + "h" * 300 + ":5", "notify"),
+    ("notify", 7, "notify"),
+    ("te", "bogus", "te (its Transfer Engine) must be 'HOST:PORT'"),
+    ("te", "10.0.0.1:5\x00", "te"),
+    ("te", ["10.0.0.1:5"], "te"),
+])
+def test_a_rank_entry_naming_an_unusable_endpoint_is_refused_naming_it(field, value, words):
+    """``notify: "bogus"`` passed every check and then raised ZMQError in the sending
+    daemon's peer worker, which died (its send unanswered, its blocks held; two such
+    tickets and every later send hung).  It is refused where the entry is read, in
+    the caller's thread of send_to and at the daemon's admission, naming the field."""
+    body = _ticket().body()
+    body["ranks"][1][field] = value
+    with pytest.raises(TicketRefused) as exc:
+        Ticket.from_bytes(msgpack.packb(body))
+    assert exc.value.code == ErrorCode.TICKET_MISMATCH and words in exc.value.message, exc.value
+
+
+@pytest.mark.parametrize("endpoint", [("[::1]:5", "tcp://[::1]:6"),
+                                      ("node-7.cluster.local:15000", "tcp://node-7:25000")])
+def test_host_names_and_ipv6_endpoints_are_kept(endpoint):
+    body = _ticket().body()
+    body["ranks"][0]["te"], body["ranks"][0]["notify"] = endpoint
+    assert (Ticket.from_bytes(msgpack.packb(body)).ranks[0].te,
+            Ticket.from_bytes(msgpack.packb(body)).ranks[0].notify) == endpoint
+
+
+@pytest.mark.parametrize("where,field,value", [
+    ("ticket", "ids", [3, -1, 5]), ("ticket", "ids", [3, 2**63, 5]), ("ticket", "tp", 0),
+    ("rank", "bases", [0, 1 << 30]), ("rank", "bases", [2**64 - 1, 1 << 30]),
+    ("rank", "block_bytes", [0, 4096]), ("rank", "block_bytes", [-4096, 4096]),
+])
+def test_ids_addresses_and_sizes_out_of_range_are_refused(where, field, value):
+    """A sender plans its spans in int64: an id or address past 2**63 raised
+    OverflowError in its peer worker, a negative one named another address."""
+    body = _ticket().body()
+    (body if where == "ticket" else body["ranks"][0])[field] = value
+    with pytest.raises(TicketRefused) as exc:
+        Ticket.from_bytes(msgpack.packb(body))
+    assert exc.value.code == ErrorCode.TICKET_MISMATCH and "out of range" in exc.value.message
+
+
 def test_a_ticket_whose_rank_list_disagrees_with_its_tp_size_is_malformed():
     body = msgpack.unpackb(_ticket().to_bytes())
     body["tp"] = 3
@@ -167,7 +215,7 @@ def test_early_begins_are_capped_by_count_and_bytes_and_freed_when_handled(monke
     (deadline,) = set(early.deadlines()) - before
     handed = list(early.due(lambda nonce: "receive" if nonce == late.nonce else None,
                             deadline - 1.0))
-    assert [(h[0], h[4]) for h in handed] == [(b"late", deadline)]
+    assert [(h[0], h[4].deadline) for h in handed] == [(b"late", deadline)]
     early.park(b"late", late.nonce, late.to_bytes())
     (deadline,) = set(early.deadlines()) - before
     assert list(early.due(lambda nonce: "receive", deadline)) == []  # its sender gave up

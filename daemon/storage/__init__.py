@@ -1,9 +1,9 @@
 """The storage tier behind host swap space: entry format, backend interface, backends.
 
 This package's core (this module) owns what every backend shares: the entry
-format, the :class:`StorageBackend` interface, the URL option parsers and
-:func:`open_backend`, which picks a backend by the URL's scheme from
-:data:`BACKENDS`.  Each backend is a module of the package (:mod:`.file`,
+format, the :class:`StorageBackend` interface and :func:`open_backend`, which
+picks a backend by the URL's scheme from :data:`BACKENDS` (the URL options'
+parsers are :mod:`.url_options`).  Each backend is a module of the package (:mod:`.file`,
 :mod:`.redis`) that imports from this core and never the other way round: the
 core names a backend's module as a string and imports it only when a URL asks
 for it, so a backend whose client library is not installed costs nothing until
@@ -51,24 +51,21 @@ import struct
 import urllib.parse
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Protocol, Sequence, Union
 
 import xxhash
 
 from kvswap.client.block_keys import FINGERPRINT_BYTES
 from kvswap.client.errors import StorageError, StorageTimeout
-from kvswap.client.protocol import MAX_SECONDS
-from kvswap.daemon.options import parse_size
 
 if TYPE_CHECKING:
     import numpy as np
 
 __all__ = [
     "BACKENDS", "BackendEntry", "Buffer", "CorruptEntry", "ENTRY_MAGIC", "ENTRY_VERSION",
-    "HEADER_BYTES", "MIN_SECONDS", "StorageBackend", "Stored", "StorageError",
+    "HEADER_BYTES", "NotAnEntry", "StorageBackend", "Stored", "StorageError",
     "StorageTimeout", "as_byte_views", "check_names", "check_url", "open_backend",
-    "pack_entry", "parse_bool", "parse_count", "parse_seconds", "parse_size",
-    "registered_schemes", "unpack_entry", "url_options",
+    "pack_entry", "registered_schemes", "unpack_entry",
 ]
 
 Buffer = Union[bytes, bytearray, memoryview, "np.ndarray"]
@@ -94,6 +91,16 @@ class CorruptEntry(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class NotAnEntry:
+    """``get``'s answer for a name holding what cannot be an entry, told without reading
+    it all (a Redis non-string, a Mooncake object longer than its buffer):
+    :func:`unpack_entry` rejects it, so it is deleted like any damaged entry (a miss
+    never deleted would block its block for good: a backup skips an existing name)."""
+
+    reason: str
 
 
 def as_byte_views(parts: Sequence[Buffer]) -> list[memoryview]:
@@ -141,15 +148,17 @@ def pack_entry(fingerprint: bytes, name: str, parts: Sequence[Buffer]
     return [head + _HEADER_CRC.pack(zlib.crc32(head)), *views]
 
 
-def unpack_entry(raw: Buffer, fingerprint: bytes, name: str,
+def unpack_entry(raw: "Buffer | NotAnEntry", fingerprint: bytes, name: str,
                  expected_payload_len: int) -> memoryview:
     """The payload of ``raw``, read as ``name`` (a view, no copy), after checking
-    everything; else CorruptEntry.
+    everything; else CorruptEntry (always, for a :class:`NotAnEntry`).
 
     ``expected_payload_len`` is the sum of the rank's bytes per block: a stored
     entry of another length belongs to another layout, whatever its header says.
     """
     _check_fingerprint(fingerprint)
+    if isinstance(raw, NotAnEntry):
+        raise CorruptEntry(raw.reason)
     view = as_byte_views([raw])[0]
     if len(view) < HEADER_BYTES:
         raise CorruptEntry(f"truncated: {len(view)} bytes, the header alone needs {HEADER_BYTES}")
@@ -218,13 +227,14 @@ class StorageBackend(Protocol):
         """
 
     def get(self, names: Sequence[str],
-            into: Sequence[memoryview] | None = None) -> list[Stored | None]:
-        """Each entry's bytes, or None for a miss (counts as a use for eviction).
+            into: Sequence[memoryview] | None = None) -> list[Stored | NotAnEntry | None]:
+        """Each entry's bytes, None for a miss (a use, for eviction), or NotAnEntry.
 
-        ``into``: one writable buffer per name that the backend may read the entry
-        into (then the returned view points into it); a backend that cannot read in
-        place ignores it.  Reusing buffers spares a fresh allocation, and its page
-        faults, per entry."""
+        ``into``: one writable buffer per name, of an entry's size, that the backend
+        may read the entry into (the returned view then points into it; reused, they
+        spare an allocation and its page faults per entry); a backend that cannot
+        read in place ignores it.  A longer value is never read whole: its first
+        ``len(buffer) + 1`` bytes or a NotAnEntry, which unpack_entry rejects."""
 
     def delete(self, names: Sequence[str]) -> None:
         """Remove entries; a missing name is not an error."""
@@ -242,61 +252,6 @@ class StorageBackend(Protocol):
 
     def close(self) -> None:
         """Release connections and files; any later call raises StorageError."""
-
-
-# URL option parsers, shared by the backends' from_url (and parse_size, from
-# kvswap.daemon.options: the byte sizes of flags and of URLs read alike).
-
-def parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("want 1/0, true/false, yes/no or on/off")
-
-
-MIN_SECONDS = 0.001  # the shortest timeout a URL may give (see parse_seconds)
-
-
-def parse_seconds(text: str) -> float:
-    """A timeout, 1 ms to 366 days (``MAX_SECONDS``, every kvswap duration's bound): under
-    1 ms no answer comes in time (sockets wait in whole milliseconds), so every call
-    would time out; a far longer one overflows the waits it is given to."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError("want a number of seconds") from None
-    if not MIN_SECONDS <= value <= MAX_SECONDS:  # also refuses nan
-        raise ValueError(f"want {MIN_SECONDS:g} to {MAX_SECONDS:.0f} seconds: a shorter "
-                         "timeout fails every call, a longer one overflows the waits")
-    return value
-
-
-def parse_count(text: str) -> int:
-    if not text.strip().isdigit():
-        raise ValueError("want a non-negative integer")
-    return int(text)
-
-
-T = TypeVar("T")
-
-
-def url_options(url: str, query: str, parsers: Mapping[str, Callable[[str], T]]) -> dict[str, T]:
-    """Parse ``query`` with one parser per known option; ValueError naming the URL for an
-    unknown, repeated or unparsable option (a typo must not be silently ignored)."""
-    out: dict[str, T] = {}
-    for key, value in urllib.parse.parse_qsl(query, keep_blank_values=True):
-        if key not in parsers:
-            raise ValueError(f"storage URL {url!r}: unknown option {key!r} "
-                             f"(known: {', '.join(sorted(parsers))})")
-        if key in out:
-            raise ValueError(f"storage URL {url!r}: option {key!r} given twice")
-        try:
-            out[key] = parsers[key](value)
-        except ValueError as exc:
-            raise ValueError(f"storage URL {url!r}: option {key}={value!r}: {exc}") from None
-    return out
 
 
 # ------------------------------------------------------------------ registry

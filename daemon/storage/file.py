@@ -51,10 +51,9 @@ from kvswap.daemon.storage import (
     StorageError,
     as_byte_views,
     check_names,
-    parse_bool,
-    parse_size,
-    url_options,
 )
+from kvswap.daemon.options import parse_size
+from kvswap.daemon.storage.url_options import parse_bool, url_options
 
 log = logging.getLogger("kvswap.daemon.storage")
 
@@ -268,6 +267,13 @@ class FileBackend:
             size = os.fstat(fd).st_size
             if into is not None and into.nbytes >= size:
                 view = into.cast("B")
+            elif into is not None:
+                # Longer than any entry the caller can use (``into`` is an entry's size):
+                # one byte past it is enough for unpack_entry to reject it, so that it is
+                # deleted; reading it whole could need gigabytes (a file extended by
+                # accident, or sparse) and failed every prefetch with a MemoryError.
+                size = into.nbytes + 1
+                view = memoryview(bytearray(size))
             else:
                 view = memoryview(bytearray(size))
             got = 0

@@ -13,11 +13,10 @@ entry as a list of (address, length) parts, ``batch_put_from_multi_buffers``,
 which the transfer engine reads where they lie; only the 52-byte entry header,
 any part outside registered memory and any part under ``copy_below`` bytes are
 first copied into a registered *bounce* area owned by the backend, where an
-entry's copied parts lie side by side and travel as one.  (The TCP transport
-moves every part as a transfer of its own: for 8 parts of 32 KiB per entry,
-gathering them first was 1.4x faster here than sending them in place.)  ``get`` with registered
-``into`` buffers reads each entry in place (``batch_get_into``); without them it
-falls back to ``get_batch``, which returns new bytes objects.
+entry's copied parts lie side by side and travel as one (the TCP transport moves
+each part as a transfer of its own: for 8 parts of 32 KiB per entry, gathering
+them was 1.4x faster here).  ``get`` with registered ``into`` buffers reads each
+entry in place (``batch_get_into``), else ``get_batch`` (new bytes objects).
 
 **Put-if-absent.**  A Mooncake put of an existing name keeps the stored object
 and reports success, so ``put`` asks ``batch_is_exist`` first and puts only the
@@ -25,20 +24,18 @@ absent names: False for a name that already held an entry.  A name stored by
 someone else between the two calls reads as stored by this put (the two
 entries are of the same content key, so either is as good).
 
-**Failures and timeouts.**  The master or the segment holder gone (killed,
-unreachable) usually makes a call fail at once with an RPC error: StorageError
-(or, while the client is still noticing the loss, StorageTimeout).  A
-master that accepts connections but does not answer would block the calling
-thread inside the C++ client, so every call runs on the backend's own call
-thread and the caller waits at most ``timeout_s``: then StorageTimeout.  The
-stuck call keeps its buffers (bounce area, staging) until it returns, so until
-then every further call fails at once with StorageTimeout instead of queueing
-behind it or touching those buffers.  The client reconnects to a restarted
-master by itself (it pings the master every second and re-mounts its
-segment); a client whose first connection failed is set up again on the next
-call, after a quick TCP probe of the master so that a dead master costs
-``connect_timeout_s``, not the client's own retries (about 90 s).  ``close``
-tears the client down only if the master answers (:meth:`MooncakeBackend.close`).
+**Failures and timeouts.** The master or the segment holder gone (killed, unreachable)
+usually makes a call fail at once with an RPC error: StorageError (or, while the client
+is still noticing the loss, StorageTimeout). A master that accepts connections but does
+not answer would block the calling thread inside the C++ client, so every call runs on
+the backend's own call thread and the caller waits at most ``timeout_s``: then
+StorageTimeout.  The stuck call keeps its buffers (bounce area, staging) until it
+returns, so until then every further call fails at once with StorageTimeout instead of
+queueing behind it or touching those buffers.  The client reconnects to a restarted
+master by itself (it pings the master every second and re-mounts its segment); a client
+whose first connection failed is set up again on the next call, after a quick TCP probe
+of the master so that a dead master costs ``connect_timeout_s``, not the client's own
+retries (about 90 s); ``close`` tears it down only if the master answers.
 
 **Where entries live.**  In the clients' segments: a rank's (``segment`` > 0) vanish
 when it stops, a standalone ``mooncake_client``'s outlive the daemons (docs/storage.md).
@@ -59,6 +56,7 @@ from mooncake.store import MooncakeDistributedStore
 
 from kvswap.daemon.storage import (
     Buffer,
+    NotAnEntry,
     Stored,
     StorageError,
     StorageTimeout,
@@ -317,7 +315,7 @@ class MooncakeBackend:
         return ptrs, sizes
 
     def get(self, names: Sequence[str],
-            into: Sequence[memoryview] | None = None) -> list[Stored | None]:
+            into: Sequence[memoryview] | None = None) -> list[Stored | NotAnEntry | None]:
         self._check(names)
         if not names:
             return []
@@ -329,16 +327,18 @@ class MooncakeBackend:
         return self._call(f"get ({len(names)} names)", lambda st: self._get_copies(st, names))
 
     def _get_into(self, store: MooncakeDistributedStore, names: Sequence[str],
-                  into: Sequence[memoryview], spans: list[tuple[int, int]]) -> list[Stored | None]:
+                  into: Sequence[memoryview], spans: list[tuple[int, int]]
+                  ) -> list[Stored | NotAnEntry | None]:
         codes = store.batch_get_into(list(names), [a for a, _ in spans], [s for _, s in spans])
-        out: list[Stored | None] = []
+        out: list[Stored | NotAnEntry | None] = []
         for name, buf, code in zip(names, into, codes):
             if code >= 0:
                 out.append(memoryview(buf)[:code])
             elif code == OBJECT_NOT_FOUND:
                 out.append(None)
-            elif code == BUFFER_TOO_SMALL:  # longer than any entry of this layout: let
-                out.append(store.get(name))  # unpack_entry reject it, so it gets deleted
+            elif code == BUFFER_TOO_SMALL:  # longer than any entry: not read, but deleted
+                out.append(NotAnEntry(f"trailing bytes: the object is longer than the "
+                                      f"{memoryview(buf).nbytes} bytes of an entry of this layout"))
             else:
                 raise self._failed(f"get of {name}", code)
         return out

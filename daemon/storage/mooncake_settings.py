@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvswap.daemon.options import parse_size
-from kvswap.daemon.storage import parse_seconds, url_options
+from kvswap.daemon.storage.url_options import parse_seconds, url_options
 
 DEFAULT_PORT = 50051  # mooncake_master's default RPC port
 DEFAULT_METADATA_PORT = 8080  # its default --http_metadata_server_port

@@ -5,8 +5,20 @@ One Redis string per entry (the packed entry: header and payload joined once per
 put).  Every call is one round trip for the whole batch: a non-transactional
 pipeline of ``SET name value NX [EX ttl]`` for ``put`` (MSETNX would refuse the
 whole batch when one name exists; NX per key skips just that one), ``MGET`` for
-``get``, a pipeline of ``EXISTS`` for ``contains`` (multi-key EXISTS only counts)
-and ``UNLINK`` for ``delete`` (frees large values off Redis's main thread).
+``get``, a pipeline of ``TYPE`` for ``contains`` (a name holds an entry only if it
+holds a string) and ``UNLINK`` for ``delete`` (frees large values off Redis's main
+thread).
+
+A value of another type under an entry name (a list, a hash: another program's
+key, an operator's mistake) is not an entry.  ``MGET`` answers nil for it, as for
+a missing name, so ``get`` asks ``TYPE`` about the names that came back nil (a
+second round trip only when a batch has a miss; hits cost what they did) and
+returns :class:`~kvswap.daemon.storage.NotAnEntry` for those that hold something:
+the daemon then reports it once and deletes it like any damaged entry, so the
+block can be backed up again.  Before, it was a silent miss for ever (``EXISTS``
+counted it, so every backup skipped the name).  A name that became a string
+between the two calls was written meanwhile: a miss, as ``MGET`` saw it.
+``contains`` counts strings only, so ``exists`` agrees with what a prefetch loads.
 Large puts are cut into pipelines of at most ``PIPELINE_BYTES`` so that a batch
 never sits in memory twice over.
 
@@ -35,15 +47,14 @@ from redis.retry import Retry
 
 from kvswap.daemon.storage import (
     Buffer,
+    NotAnEntry,
     Stored,
     StorageError,
     StorageTimeout,
     as_byte_views,
     check_names,
-    parse_count,
-    parse_seconds,
-    url_options,
 )
+from kvswap.daemon.storage.url_options import parse_count, parse_seconds, url_options
 
 PIPELINE_BYTES = 64 << 20  # values per put pipeline (a single entry may exceed it)
 _BACKOFF_BASE_S = 0.05
@@ -219,10 +230,7 @@ class RedisBackend:
             return []
 
         def run() -> list[bool]:
-            pipe = self._pipeline()
-            for name in names:
-                pipe.exists(name)
-            return [bool(n) for n in pipe.execute()]
+            return [t == b"string" for t in self._types(names)]
 
         return self._call(f"contains ({len(names)} names)", run)
 
@@ -257,14 +265,31 @@ class RedisBackend:
         return stored
 
     def get(self, names: Sequence[str],
-            into: Sequence[memoryview] | None = None) -> list[Stored | None]:
+            into: Sequence[memoryview] | None = None) -> list[Stored | NotAnEntry | None]:
         # `into` is ignored: redis-py returns each value as a new bytes object.
         self._check(names)
         if not names:
             return []
         # Values are bytes: the pool does not decode responses.
-        return self._call(f"get ({len(names)} names)",
-                          lambda: cast("list[Stored | None]", self._client.mget(names)))
+        got = self._call(f"get ({len(names)} names)",
+                         lambda: cast("list[Stored | NotAnEntry | None]",
+                                      self._client.mget(names)))
+        nil = [i for i, v in enumerate(got) if v is None]
+        if nil:
+            types = self._call(f"type ({len(nil)} names)",
+                               lambda: self._types([names[i] for i in nil]))
+            for i, kind in zip(nil, types):
+                if kind not in (b"none", b"string"):  # string: written since the MGET
+                    got[i] = NotAnEntry(f"a Redis {kind.decode(errors='replace')} value, "
+                                        f"not a string")
+        return got
+
+    def _types(self, names: Sequence[str]) -> list[bytes]:
+        """``TYPE`` of each name, in one pipeline (b"none" for a missing one)."""
+        pipe = self._pipeline()
+        for name in names:
+            pipe.type(name)
+        return [t if isinstance(t, bytes) else str(t).encode() for t in pipe.execute()]
 
     def delete(self, names: Sequence[str]) -> None:
         self._check(names)

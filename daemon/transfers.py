@@ -181,11 +181,25 @@ class Transfers:
 
     # ---------------------------------------------------------------- workers
     def run_batch(self, batch: list[Task]) -> None:
-        """The scheduler's ``run_batch`` (a transfer or storage worker thread)."""
+        """The scheduler's ``run_batch`` (a transfer, storage or peer worker thread).
+
+        Each lane's ``execute`` turns a failure into its tasks' outcomes, so what
+        raises here is a bug in the bookkeeping (journal, replies).  A worker it killed
+        would leave its tasks unanswered and their blocks held while the rank looked
+        READY; the rank fails instead (logged with the traceback), so its supervisor
+        restarts it and the clients re-send what it owed (docs/protocol.md section 14).
+        The worker lives on, so the scheduler still releases the batch."""
         att = self._slot.current
         assert att is not None  # clear drains every task before it unpublishes
-        for c in self.execute(batch, att):
-            self._exactly.settle(c)
+        try:
+            for c in self.execute(batch, att):
+                self._exactly.settle(c)
+        except Exception as exc:
+            log.exception("rank %d: settling a batch of %d %s task(s) failed", self._rank.index,
+                          len(batch), batch[0].op.value)
+            self._rank.sm.fail(ErrorCode.INTERNAL_ERROR,
+                               f"a worker failed settling {batch[0].op.value} tasks "
+                               f"({type(exc).__name__}: {exc}); the rank restarts")
 
     def execute(self, batch: list[Task], att: Attachment) -> list[Completion]:
         """Copy one batch of tasks; never raises (a failure is every task's outcome)."""

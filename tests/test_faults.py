@@ -871,3 +871,29 @@ def test_a_rank_stalled_through_a_clear_barrier_does_not_split_the_next_one(name
         assert int(seg.header[HeaderSlot.KVCACHE_STATUS]) == KvCacheStatus.NORMAL
         client.evict([1], [1]).result(20)
     assert [int(seg.ranks[r, RankSlot.BARRIER_ARRIVALS]) for r in range(2)] == [3, 3]
+
+
+def test_a_worker_whose_bookkeeping_raises_fails_the_rank_not_the_worker(namespaces, tmp_path,
+                                                                         monkeypatch):
+    """A bug while settling a batch (journal, reply; injected through a sitecustomize)
+    killed the worker thread: its tasks were never answered and their blocks stayed
+    held while the rank looked READY, until every client's deadline.  The rank fails
+    instead, naming the cause, and its supervisor restarts it."""
+    from test_peer import _with_site
+
+    _with_site(tmp_path, monkeypatch, (
+        "import kvswap.daemon.exactly_once as e\n"
+        "_settle = e.ExactlyOnce.settle\n"
+        "def settle(self, c):\n"
+        "    if c.job.op.value == 'evict':\n"
+        "        raise RuntimeError('injected settle fault')\n"
+        "    return _settle(self, c)\n"
+        "e.ExactlyOnce.settle = settle\n"))
+    launcher = namespaces.launch(tp=1, demo_caches=LAYOUT, inline_max_bytes=0)  # a worker
+    monkeypatch.delenv("PYTHONPATH")
+    with _client(launcher, task_timeout=30) as client:
+        client.evict([1], [1])
+        wait_for_state(launcher, RankState.FAILED, timeout=10)
+    log = launcher.names.log_path(0).read_text()
+    assert "settling a batch of 1 evict task(s) failed" in log
+    assert "RuntimeError: injected settle fault" in log

@@ -3,7 +3,7 @@
 
 Each runs in a temporary directory of its own, logs to a file there, and is
 stopped the same way (:class:`ServerProcess`): woken if a test froze it, asked to
-terminate, killed after 10 s.  :class:`MooncakeMaster` runs ``mooncake_master``
+terminate, killed after 10 s; closed, it is killed at once.  :class:`MooncakeMaster` runs ``mooncake_master``
 with its HTTP metadata server on (no etcd needed); it imports nothing from
 Mooncake, it only needs the program that ``kvswap[mooncake]`` installs (found on
 PATH, beside the running Python, or in the ``mooncake`` package), which in turn
@@ -132,7 +132,10 @@ class ServerProcess(abc.ABC):
         self.proc = None
 
     def close(self) -> None:
-        self.stop()
+        """Throw the server away: killed (it keeps nothing worth a clean exit, and
+        ``mooncake_master`` takes a second to end on SIGTERM, once per test that
+        starts one), its directory removed."""
+        self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

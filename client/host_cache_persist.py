@@ -30,8 +30,12 @@ with new sockets and rings, and its journal replays what its predecessor had
 admitted before it serves anything new.  So the successor *quarantines* those
 blocks (state 3, with the ranks' epochs of that moment): they are handed out to
 nobody until a later successor finds every rank's epoch above the recorded one,
-and then are free again.  The cost is at most the blocks that were in flight at
-the crash, counted in ``stats()["quarantined"]``.
+and then are free again.  The cost is the blocks that were in flight at each
+crash, counted in ``stats()["quarantined"]``; they add up over engine crashes
+until every rank has restarted (an engine restart alone restarts no rank), and a
+successor warns when they pass :data:`QUARANTINE_WARN` of the cache.  A daemon
+that refused the tasks of a dead sender would make this unnecessary: nothing in
+the protocol tells a daemon that a sender died (left open).
 
 The pools themselves must be the ones the mirror describes:
 the header records the inode of every rank's host pool segment, and a successor
@@ -98,6 +102,7 @@ HEADER_SLOTS = 8
 KEY_BYTES = 32
 _MAGIC, _VERSION, _NUM_BLOCKS, _TP, _NEXT_STAMP, _OWNER, _GENERATION = range(7)
 FREE, READY, WRITING, QUARANTINED = range(4)  # the state byte of a block
+QUARANTINE_WARN = 1 / 8  # of the blocks: a successor warns past this many quarantined
 # This process's open mirrors by segment name: the owner pid cannot tell two caches of
 # one process apart.
 _OPEN: "weakref.WeakValueDictionary[str, PersistedIndex]" = weakref.WeakValueDictionary()
@@ -242,6 +247,11 @@ class PersistedIndex:
         self.quarantined = [int(i) for i in np.flatnonzero(self._state == QUARANTINED)]
         if not self.quarantined:
             self._quarantine[:] = 0
+        elif len(self.quarantined) > QUARANTINE_WARN * len(self._state):
+            log.warning("HostCache persist: %d of %d host blocks are quarantined (stores "
+                        "in flight when engines died); they are free again once every rank "
+                        "has restarted (kill one and kvswap launch restarts it) or the "
+                        "namespace is relaunched", len(self.quarantined), len(self._state))
 
     def _inconsistent(self, ready: np.ndarray) -> str | None:
         """Why the ready blocks cannot be what a writer left, or None (a damaged segment:

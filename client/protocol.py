@@ -197,7 +197,8 @@ OPS: dict[Op, OpSpec] = {
                {"accepted": int}, {"ep": list}),
         OpSpec(Op.CANCEL, {"target": int}, 0, HandlerKind.INLINE, {"cancelled": bool}),
         OpSpec(Op.BACKUP, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER,
-               {"count": int, "skipped": int}, {"ep": list, "priority": int, "mv": str},
+               {"count": int, "skipped": int},
+               {"ep": list, "priority": int, "mv": str, "after": int},
                lane=Lane.STORAGE, timed=True),
         OpSpec(Op.PREFETCH, {"ids": str, "n": int}, 2, HandlerKind.TRANSFER, {"count": int},
                {"ep": list, "priority": int, "mv": str, **_PREFETCH_OPTIONAL},
@@ -832,12 +833,17 @@ class PrefetchOptions:
 
 def storage_message(op: Op, req_id: int, host_ids: np.ndarray | None, keys: np.ndarray,
                     priority: int = 0, model_version: str | None = None,
-                    prefetch: PrefetchOptions | None = None) -> Message:
+                    prefetch: PrefetchOptions | None = None, after: int | None = None
+                    ) -> Message:
     """``backup``/``prefetch`` (host ids + keys) or ``exists`` (keys only); ``model_version``
-    (None: the daemons' ``--model-version``) and a prefetch's options when not default."""
+    (None: the daemons' ``--model-version``), a prefetch's options when not default, and
+    ``after``: the evict a write-through backup belongs to (it runs only if that
+    succeeded on the rank)."""
     fields: dict = {"n": int(keys.shape[0]), **_transfer_fields(priority, False)}
     if model_version is not None:
         fields["mv"] = model_version
+    if after is not None:
+        fields["after"] = after
     if prefetch is not None:
         fields.update(prefetch.to_fields())
     header = request_header(op, req_id, fields)

@@ -18,8 +18,8 @@ One lock covers the dispatcher (pending futures, the deadline heap, open
 envelopes by cs; per rank: epoch, frozen, backlog, replies owed) and every
 channel: the caller's thread sends its own message, with no hand-off on the way
 out, and one reader thread completes futures.  Done-callbacks run outside the
-lock, on the reader (a write-back load or write-through backup waiting for its
-evict is the dispatcher's state, not a callback).
+lock, on the reader (a write-back load waiting for its evict is the
+dispatcher's state, not a callback).
 
 Every unit of work (sending one envelope, handling one reply, watching one
 rank, expiring one future) is guarded: an unexpected exception is logged with
@@ -293,8 +293,8 @@ class TransferFuture:
         codes, or :class:`RankTimeout` naming the ranks that have not answered.
 
         ``timeout=None`` waits until a second past the deadline (the reader fails
-        the future at the deadline itself; the deadline of a task held for its
-        evict, a write-back load or a write-through backup, moves to its sending)."""
+        the future at the deadline itself; the deadline of a write-back load moves
+        to its sending)."""
         if timeout is None:
             t0 = time.monotonic()
             while not self._wait(max(0.0, self.deadline - time.monotonic()) + 1.0):
@@ -359,8 +359,7 @@ class _Envelope:
     message: Message
     tasks: tuple[TransferFuture, ...] = ()
     items: tuple[BatchItem, ...] = ()
-    after: TransferFuture | None = None  # sent once this evict succeeded (write-back
-    # load, write-through backup)
+    after: TransferFuture | None = None  # write_back: sent once this evict succeeded
     cs: int = 0  # the client sequence number, assigned at the first send
     sent: set[int] = field(default_factory=set)  # ranks whose current daemon got it
     via: dict[int, Channel] = field(default_factory=dict)  # rank -> channel it went on
@@ -434,7 +433,7 @@ class _Dispatcher:
         self._pending: dict[int, tuple[TransferFuture, _Envelope]] = {}  # task id ->
         self._open: dict[int, _Envelope] = {}  # cs -> envelope, in cs order
         self._batches: dict[int, _Envelope] = {}  # batch id -> its open envelope
-        self._waiting: dict[int, list[_Envelope]] = {}  # evict id -> envelopes held for it
+        self._waiting: dict[int, list[_Envelope]] = {}  # evict id -> write-back loads
         self._deadlines: list[tuple[float, int]] = []  # heap of (deadline, task id)
         self._closed = False
 
@@ -542,10 +541,10 @@ class _Dispatcher:
             q.clear()
 
     def drop_waiting(self, task_id: int) -> bool:
-        """Cancel task ``task_id`` if it is still held for its evict (a write-back load,
-        a write-through backup): never sent, no rank knows its id, so a ``cancel``
-        would answer false and the task would run later.  It fails CANCELLED on every
-        rank here; False if it is not held (sent already, or never held)."""
+        """Cancel the write-back load ``task_id`` if it is still held for its evict:
+        never sent, no rank knows its id, so a ``cancel`` would answer false and the
+        load would run later.  It fails CANCELLED on every rank here; False if it is
+        not held (sent already, or not a write-back load)."""
         for evict_id, envs in self._waiting.items():
             for env in envs:
                 if env.carrier.task_id == task_id:
@@ -554,7 +553,7 @@ class _Dispatcher:
                         del self._waiting[evict_id]
                     f = env.carrier
                     f._finish(error=TransferFailed(f.task_id, f.op.value, [
-                        RankFailure(r, ErrorCode.CANCELLED, f"{f.op.value} {f.task_id} "
+                        RankFailure(r, ErrorCode.CANCELLED, f"write-back load {f.task_id} "
                                     f"cancelled before it was sent (its evict had not "
                                     f"completed): nothing was copied") for r in f.ranks]))
                     return True
@@ -588,9 +587,8 @@ class _Dispatcher:
             if err is not None:
                 f = env.carrier
                 f._finish(error=TransferFailed(f.task_id, f.op.value, [
-                    RankFailure(r, ErrorCode.CANCELLED, f"not submitted: evict "
-                                f"{env.after.task_id}, which it waited for, failed ({err})")
-                    for r in f.ranks]))
+                    RankFailure(r, ErrorCode.CANCELLED, f"not submitted: write-back evict "
+                                f"{env.after.task_id} failed ({err})") for r in f.ranks]))
                 return
             env.carrier.deadline = time.monotonic() + self.task_timeout  # counts from sending
         env.cs = next(self._cs)
@@ -755,8 +753,8 @@ class _Dispatcher:
 
     def _settle(self, fut: TransferFuture, env: _Envelope) -> None:
         """``fut`` has completed: free the window slots of ranks that had not answered
-        it, forget it (and its envelope once all of it has), and post the tasks held
-        for it (write-back loads, write-through backups)."""
+        it, forget it (and its envelope once all of it has), and post the write-back
+        loads that waited for it."""
         self._pending.pop(fut.task_id, None)
         for r in env.sent:
             if r not in fut._replies:
@@ -941,11 +939,12 @@ class TransferClient:
         """Copy device blocks to host blocks (pairwise) for every tensor on every rank.
 
         ``backup_keys`` (write-through to storage): also back the host blocks up under
-        these keys; its future is the returned future's ``backup``.  The backup is
-        sent only once the evict has succeeded on every rank: an evict cancelled or
-        failed on some rank left that rank's host blocks holding their old bytes,
-        which must never be stored under these keys.  If the evict fails, the backup
-        is never sent and fails CANCELLED on every rank."""
+        these keys; its future is the returned future's ``backup``.  Sent with the
+        evict, so that every later task on these host blocks runs after it on every
+        rank (hazard ordering), it names the evict (``after``) and each rank runs it
+        only if the evict succeeded there: an evict cancelled or failed on a rank left
+        that rank's host blocks holding their old bytes, which must never be stored
+        under these keys; the backup is then CANCELLED on that rank."""
         dev, host, prio, _ = self._check_transfer(Op.EVICT, device_blocks, host_blocks,
                                                   priority, False, self._block_limits())
         backup = None
@@ -954,8 +953,8 @@ class TransferClient:
         fut, env = self._transfer_envelope(Op.EVICT, dev, host, prio, False)
         envelopes = [env]
         if backup is not None:
-            fut.backup, backup_env = self._storage_envelope(Op.BACKUP, *backup)
-            backup_env.after = fut
+            fut.backup, backup_env = self._storage_envelope(Op.BACKUP, *backup,
+                                                            after=fut.task_id)
             envelopes.append(backup_env)
         self._submit(envelopes)
         return fut
@@ -1026,11 +1025,11 @@ class TransferClient:
         return host, k, prio
 
     def _storage_envelope(self, op: Op, host: np.ndarray | None, keys: np.ndarray,
-                          priority: int, prefetch: PrefetchOptions | None = None
-                          ) -> tuple[TransferFuture, _Envelope]:
+                          priority: int, prefetch: PrefetchOptions | None = None,
+                          after: int | None = None) -> tuple[TransferFuture, _Envelope]:
         fut = self._new_future(op)
         return fut, _Envelope(fut, storage_message(op, fut.task_id, host, keys, priority,
-                                                   self._model_version, prefetch))
+                                                   self._model_version, prefetch, after))
 
     def submit_batch(self, tasks: Sequence["TransferSpec"]) -> list[TransferFuture]:
         """Submit many tasks; one future per task, in order.  Every task is validated
@@ -1181,9 +1180,9 @@ class TransferClient:
         return fut
 
     def _cancel(self, target: TransferFuture) -> TransferFuture:
-        """A ``cancel`` to every rank, or, for a task still held for its evict (a
-        write-back load, a write-through backup), done here: it fails CANCELLED on
-        every rank, and the returned future's every reply says ``cancelled`` true."""
+        """A ``cancel`` to every rank, or, for a write-back load still held for its evict,
+        done here: the load fails CANCELLED on every rank, and so does the returned
+        future's every reply say ``cancelled`` true."""
         with _CallbacksDeferred(), self._lock:
             self._check_open()
             if self._io.drop_waiting(target.task_id):

@@ -32,7 +32,9 @@ full ``--storage-timeout`` per task.  Two rules now hold, and together they
 keep every entry a live peer will read until it has read it:
 
 1. *A slot is reused only when no live peer may still read its entry* (flow
-   control, :meth:`Agreement._post`).  A peer may still read our entry for task
+   control, :meth:`Agreement._post`): a post takes the first such slot from the
+   ring's position (readers scan every slot, so any will do), and waits only when
+   there is none.  A peer may still read our entry for task
    X while its own latest-round entry for X is POSTED (it is inside X: a rank
    marks that entry ABORTED when it gives up and DONE when it completes, before
    it runs anything else), and while it has not reached X at all if we owe it
@@ -56,8 +58,9 @@ keep every entry a live peer will read until it has read it:
    timeout.
 
 Why nobody waits forever: every wait ends at its timeout (``--storage-timeout``)
-or when the peer is FAILED or silent.  Why rule 1's wait ends early in
-practice: the entries it protects belong to tasks the peer is running or has
+or when the peer is FAILED or silent.  Why rule 1 rarely waits at all: only a
+ring of 64 entries every one of which a peer may still read makes it wait.  Why
+its wait ends early in practice: the entries it protects belong to tasks the peer is running or has
 queued; the peer finds our mark the moment it reaches each one and moves on.
 It waits out its timeout only for a peer that never runs an owed task
 (cancelled there while queued, after this rank had already left its rule-2
@@ -118,11 +121,17 @@ class Agreement:
             sem.close()
 
     def _post(self, task_id: int, rnd: int, value: int, state: AgreeState) -> int:
-        with self._lock:
-            idx = self._next % AGREE_SLOTS
-            self._next += 1
         for owed in list(self._owed):  # look often: a peer's entries do not last for ever
             self._needed_by(owed)
+        with self._lock:
+            # The first slot from the ring's position that no live peer may still read:
+            # any slot will do, as readers scan them all.  Waiting for the one in ring
+            # order instead could wait on a peer that reads its mark only after a task
+            # it waits in for our post (two clients' tasks in crossed orders).
+            start = self._next % AGREE_SLOTS
+            self._next += 1
+            idx = next((i % AGREE_SLOTS for i in range(start, start + AGREE_SLOTS)
+                        if self._reusable(i % AGREE_SLOTS)), start)
         self._free_slot(idx)
         e = self.seg.agree[self.rank, idx]
         e[AgreeSlot.TASK_ID] = 0
@@ -169,6 +178,11 @@ class Agreement:
             self._owed.pop(task_id, None)
         return {p for p in self._peers()
                 if p in owed or (self._inside(p, task_id) and self._live(p))}
+
+    def _reusable(self, idx: int) -> bool:
+        """Whether no live peer may still read our entry in slot ``idx`` (rule 1)."""
+        task_id = int(self.seg.agree[self.rank, idx, AgreeSlot.TASK_ID])
+        return not task_id or not self._needed_by(task_id)
 
     def _free_slot(self, idx: int) -> None:
         """Wait until no live peer may still read the entry in our slot ``idx`` (rule 1),

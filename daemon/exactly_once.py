@@ -56,6 +56,24 @@ class ExactlyOnce:
             return None
         return origin
 
+    def require_evicted(self, evict_id: int | None) -> None:
+        """A write-through backup (``after``: its evict; None: not one) runs only if that
+        evict succeeded on this rank, else CANCELLED: cancelled or failed, it left the
+        host blocks holding their old bytes, which must never be stored under the new
+        keys (other nodes would load them).  Hazard ordering runs the backup after the
+        evict, so its outcome is journalled by now; no record (dropped, or never
+        admitted here) is no proof."""
+        if evict_id is None:
+            return
+        found = self._journal.lookup(evict_id)
+        outcome = None if found is None else found[1]
+        if outcome is None or outcome.code != ErrorCode.OK:
+            why = ("has no outcome on this rank" if outcome is None else
+                   f"ended {outcome.code.name} on this rank")
+            raise KvswapError(f"backup not run: the evict it backs up (task {evict_id}) "
+                              f"{why}; its host blocks do not hold the bytes of these keys",
+                              ErrorCode.CANCELLED)
+
     def answer_recorded(self, job: Job) -> bool:
         """A re-sent task whose outcome an earlier incarnation recorded: answer it from
         the record and return True (I/O thread), whatever mode the rank is in now.  A

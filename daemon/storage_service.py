@@ -175,6 +175,7 @@ class StorageService:
                 present = [self._backend.contains(names) for _, _, names in parts]
                 fields = {"count": _leading([all(p) for p in zip(*present)])}
             elif task.op is Op.BACKUP:
+                self._exactly.require_evicted(job.header.get("after"))
                 stored = self._backup(att, task.host_ids, parts)
                 fields = {"count": stored, "skipped": len(job.keys) - stored}
             else:

@@ -535,7 +535,7 @@ def test_a_closed_persisted_cache_leaves_its_successor_only_blocks_that_hold_the
     second.close()
 
 
-def test_blocks_being_written_when_the_engine_died_are_quarantined(system):
+def test_blocks_being_written_when_the_engine_died_are_quarantined(system, caplog):
     """A successor handed out the blocks its predecessor was writing when it died, but
     that engine's evict may still be on its way (a busy daemon, a message in its
     socket) and would land after the successor's own evict there: lookup hit, fetch
@@ -554,6 +554,7 @@ def test_blocks_being_written_when_the_engine_died_are_quarantined(system):
     del first, out  # a crash: no close()
 
     second = HostCache(4, persist=ns, run_root=rr)
+    assert "1 of 4 host blocks are quarantined" in caplog.text  # past an eighth: warned
     out = second.prepare_store([_key(73), _key(74)])  # one free block, one eviction
     assert out is not None and 2 not in out.host_blocks.tolist()
     assert out.evicted == [_key(70)]

@@ -28,7 +28,7 @@ from kvswap.client.protocol import BatchItem, Op, decode_reply, encode_batch
 from kvswap.client.signals import RankSlot, RankState, poll_until
 from kvswap.daemon.demo import RankView, pattern
 
-from conftest import wait_for_state
+from conftest import DeviceTags, wait_for_state
 from test_daemon import RawPeer
 
 TINY = "layers=3,block_tokens=2,heads=2,head_dim=4,blocks=16"
@@ -414,43 +414,82 @@ def test_a_write_back_load_held_for_its_evict_is_cancelled_on_the_client(namespa
             v.close()
 
 
-def test_a_write_through_backup_is_sent_only_after_its_evict_succeeded(namespaces, tmp_path):
-    """``evict(..., backup_keys=K)`` used to send its backup with the evict, ordered
-    after it on each rank by the host blocks alone: an evict cancelled while it
-    waited left the host blocks holding their old bytes, and the backup stored
-    those under K, entries every node sharing the store would then load as K's.
-    Held until the evict succeeded on every rank, it is never sent here: the
-    evict was cancelled, the backup fails CANCELLED, and nothing is stored."""
-    from kvswap.client.block_keys import block_hashes
-
+def _storage_namespace(namespaces, tmp_path):
     launcher = namespaces.launch(tp=2, demo_caches=TINY, host_blocks=TINY_HOST,
                                  storage_url=f"file://{tmp_path}/store")
+    tensors = [TensorDesc(t.name, t.layer, t.dtype, t.shape) for t in demo_layout(TINY)]
+    return launcher, DeviceTags(launcher.names, 2, tensors, TINY_HOST)
+
+
+def test_a_write_through_backup_of_a_cancelled_evict_stores_nothing(namespaces, tmp_path):
+    """``evict(..., backup_keys=K)``: an evict cancelled while it waited left the host
+    blocks holding their old bytes, and its backup, ordered after it by the host
+    blocks alone, stored those under K: entries every node sharing the store would
+    load as K's.  The backup names its evict and runs only if that succeeded on the
+    rank: here it is CANCELLED on both ranks and nothing is stored."""
+    from kvswap.client.block_keys import block_hashes
+
+    launcher, tags = _storage_namespace(namespaces, tmp_path)
     old_keys, new_keys = block_hashes(list(range(8)), 2), block_hashes(list(range(8, 16)), 2)
     host = [0, 1, 2, 3]
     pid1 = launcher.procs[1].pid
-    with _client(launcher) as client:
-        client.evict([1, 2, 3, 4], host).result(20)
-        assert client.backup(host, old_keys).result(20).count == 4
-        os.kill(pid1, signal.SIGSTOP)  # rank 0's prefetch waits in its agreement for rank 1
-        try:
-            prefetch = client.prefetch(old_keys, host)
-            evict = client.evict([5, 6, 7, 8], host, backup_keys=new_keys)  # after it on host
-            evict.cancel()
-            # rank 0 has answered the evict (cancelled while it waited for the prefetch)
-            assert poll_until(lambda: evict.missing_ranks() == [1] or None,
-                              time.monotonic() + 20)
-        finally:
-            os.kill(pid1, signal.SIGCONT)
-        assert prefetch.result(20).count == 4
-        with pytest.raises(TransferFailed) as failed:
-            evict.result(20)
-        assert {f.code for f in failed.value.failures} == {ErrorCode.CANCELLED}
-        with pytest.raises(TransferFailed) as failed:
-            evict.backup.result(20)
-        assert [(f.rank, f.code) for f in failed.value.failures] == [
-            (0, ErrorCode.CANCELLED), (1, ErrorCode.CANCELLED)]
-        assert "not submitted" in str(failed.value)
-        assert client.exists(new_keys).result(20).count == 0  # no stale entry under K
+    try:
+        with _client(launcher) as client:
+            client.evict([1, 2, 3, 4], host).result(20)
+            assert client.backup(host, old_keys).result(20).count == 4
+            os.kill(pid1, signal.SIGSTOP)  # rank 0's prefetch waits in its agreement for rank 1
+            try:
+                prefetch = client.prefetch(old_keys, host)
+                evict = client.evict([5, 6, 7, 8], host, backup_keys=new_keys)  # after it on host
+                evict.cancel()
+                # rank 0 has answered the evict (cancelled while it waited for the prefetch)
+                assert poll_until(lambda: evict.missing_ranks() == [1] or None,
+                                  time.monotonic() + 20)
+            finally:
+                os.kill(pid1, signal.SIGCONT)
+            assert prefetch.result(20).count == 4
+            with pytest.raises(TransferFailed) as failed:
+                evict.result(20)
+            assert {f.code for f in failed.value.failures} == {ErrorCode.CANCELLED}
+            with pytest.raises(TransferFailed) as failed:
+                evict.backup.result(20)
+            assert [(f.rank, f.code) for f in failed.value.failures] == [
+                (0, ErrorCode.CANCELLED), (1, ErrorCode.CANCELLED)]
+            assert "backup not run: the evict it backs up" in str(failed.value)
+            assert client.exists(new_keys).result(20).count == 0  # no stale entry under K
+    finally:
+        tags.close()
+
+
+def test_a_write_through_backup_runs_before_later_writers_of_its_host_blocks(namespaces,
+                                                                             tmp_path):
+    """The backup is sent with its evict, so a later evict into the same host blocks
+    runs after it on every rank.  (Held on the client until the evict had completed
+    everywhere, it let that later evict run first on a rank that was ahead, and
+    stored the later bytes under its keys.)"""
+    from kvswap.client.block_keys import block_hashes
+
+    launcher, tags = _storage_namespace(namespaces, tmp_path)
+    keys = block_hashes(list(range(4)), 2)
+    tags.fill([1, 2, 3, 4], [11, 12, 13, 14])
+    pid1 = launcher.procs[1].pid
+    try:
+        with _client(launcher) as client:
+            os.kill(pid1, signal.SIGSTOP)  # rank 0 runs ahead: the first evict is not done
+            try:
+                first = client.evict([1, 2], [0, 1], backup_keys=keys)
+                later = client.evict([3, 4], [0, 1])
+                assert poll_until(lambda: later.missing_ranks() == [1] or None,
+                                  time.monotonic() + 20)
+            finally:
+                os.kill(pid1, signal.SIGCONT)
+            assert first.result(20) and later.result(20)
+            assert first.backup.result(20).count == 2
+            assert client.prefetch(keys, [8, 9]).result(20).count == 2
+            client.load([8, 9], [10, 11]).result(20)
+            assert tags.has([10, 11], [11, 12])  # the first evict's bytes, on every rank
+    finally:
+        tags.close()
 
 
 @pytest.mark.parametrize("policy, rank0_done_while_rank1_stopped", [

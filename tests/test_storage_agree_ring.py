@@ -140,3 +140,21 @@ def test_a_failed_peer_is_not_waited_for(ranks):
     assert time.monotonic() - t0 < 5
     tasks = {int(e[AgreeSlot.TASK_ID]) for e in seg.agree[1]}
     assert max(tasks) == TASKS  # it ran through every task
+
+
+def test_a_post_takes_another_slot_than_a_mark_its_peer_reads_only_later(ranks):
+    """Two clients' tasks in crossed orders: rank 1 gave task 7 up (its mark owed to
+    rank 0, which reaches 7 only after task 9) and now takes part in 9, whose ring
+    slot in turn is the one holding that mark.  Waiting for the slot, rank 1 could not
+    post 9 until rank 0 had read 7, which it does only after 9: both waited out the
+    timeout.  Any slot will do, so rank 1 posts into a free one."""
+    _, (a0, a1) = ranks
+    a1.abort(7, last_round=1)  # rounds 0 and 1 marked, in slots 0 and 1; owed to rank 0
+    a1._next = 0  # the next post's place in ring order: the owed mark
+    peer = _Runner(lambda: a0.agree(9, 0, 5, TIMEOUT, last_round=0))
+    peer.start()
+    t0 = time.monotonic()
+    assert a1.agree(9, 0, 3, TIMEOUT, last_round=0) == 3
+    assert time.monotonic() - t0 < TIMEOUT / 2, "rank 1 waited for the owed mark's slot"
+    peer.finish(TIMEOUT)
+    _expect_aborted(a0, 7)  # the mark is still there for rank 0

@@ -35,7 +35,8 @@ def _valid_header(op: Op) -> dict:
     h = {"v": list(PROTOCOL_VERSION), "id": 1, "op": op.value}
     samples = {"ids": "<i4", "n": 1, "backend": "host", "tensors": [], "target": 1,
                "free_host": False, "tasks": [], "priority": 0, "layerwise": False, "ep": [1],
-               "replace": False, "mv": "", "policy": "best_effort", "timeout": 1.0, "min": 0}
+               "replace": False, "mv": "", "policy": "best_effort", "timeout": 1.0, "min": 0,
+               "after": 1}
     for name in (*OPS[op].fields, *OPS[op].optional):
         h[name] = samples[name]
     return h

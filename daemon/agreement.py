@@ -93,7 +93,6 @@ from kvswap.client.signals import (
 )
 
 _CHECK_S = 0.02
-DEFAULT_TIMEOUT_S = 30.0  # rule 1's wait before the first agree/abort names --storage-timeout
 
 log = logging.getLogger("kvswap.daemon")
 
@@ -101,16 +100,19 @@ log = logging.getLogger("kvswap.daemon")
 class Agreement:
     """Writer of this rank's agreement ring and reader of every rank's."""
 
-    def __init__(self, seg: SignalSegment, rank: int, stale_after_s: float = 5.0):
+    def __init__(self, seg: SignalSegment, rank: int, stale_after_s: float = 5.0,
+                 timeout_s: float = 30.0):
+        """``timeout_s``: the longest rule 1 waits for a slot (``--storage-timeout``, the
+        timeout every agreement of the rank is given)."""
         self.seg = seg
         self.rank = rank
         self.stale_after_s = stale_after_s
         self._lock = threading.Lock()
         self._next = 0
         # storage worker only: task -> live peers that have not reached it, for which
-        # our ABORTED mark is kept (rule 1); the timeout rule 1 waits at most
+        # our ABORTED mark is kept (rule 1)
         self._owed: dict[int, set[int]] = {}
-        self._timeout_s = DEFAULT_TIMEOUT_S
+        self._timeout_s = timeout_s
         names = seg.names
         self._own = posix_ipc.Semaphore(names.wake_sem(rank))
         self._others = [posix_ipc.Semaphore(names.wake_sem(p))
@@ -249,8 +251,6 @@ class Agreement:
         at once instead of at their timeout.  With ``timeout`` (the storage timeout),
         then wait for every live peer to reach the task ("The ring is never overrun",
         rule 2); ``cancelled`` and ``queued_here`` as for :meth:`agree`."""
-        if timeout is not None:
-            self._timeout_s = timeout
         idx = self._post(task_id, 0, 0, AgreeState.ABORTED)
         self._give_up(idx, task_id, 0, last_round)
         if timeout is not None:
@@ -333,7 +333,6 @@ class Agreement:
         ``queued_here()``: the ids of the agreed tasks admitted here and not yet run
         (round 0 gives way to a crossed task of a smaller id: "Crossed tasks" above)."""
         what = f"agreement on task {task_id} round {rnd}"
-        self._timeout_s = timeout
         if cancelled is not None and cancelled():
             # nothing owed: the cancel reaches every rank ("The ring is never overrun")
             idx = self._post(task_id, rnd, value, AgreeState.ABORTED)

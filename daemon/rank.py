@@ -62,7 +62,8 @@ class RankContext:
         self.sm = StateMachine(sig)  # any thread; serialised by its own lock
         self.layers = LayerProgress(seg, cfg.rank)  # transfer workers (layer-wise loads)
         self.stats = seg.stats(cfg.rank)  # I/O thread (the single writer of task statistics)
-        self.agreement = Agreement(seg, cfg.rank, cfg.stale_after_s)  # storage worker
+        self.agreement = Agreement(seg, cfg.rank, cfg.stale_after_s,  # storage worker
+                                   cfg.storage_timeout_s)
         self.stopping = threading.Event()  # set once by the I/O thread (Lifecycle.begin_stop)
 
     @classmethod

@@ -39,7 +39,7 @@ def ranks(namespaces):
 
     beat = threading.Thread(target=heartbeat, daemon=True)
     beat.start()
-    ags = [Agreement(seg, r, stale_after_s=60) for r in range(2)]
+    ags = [Agreement(seg, r, stale_after_s=60, timeout_s=4.0) for r in range(2)]
     yield seg, ags
     beating.set()
     beat.join(5)

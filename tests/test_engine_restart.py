@@ -22,6 +22,7 @@ from kvswap.client import CacheTensor, CacheWorker, TransferClient
 from kvswap.client.errors import ErrorCode, InvalidTask, NotReady
 from kvswap.client.shm_region import unlink_shm
 from kvswap.client.signals import RankState, poll_until
+from kvswap.daemon.launcher import Launcher
 
 TP = 2
 BLOCKS = 32
@@ -67,6 +68,23 @@ def _register_patterned(workers: list[tuple[CacheWorker, list[CacheTensor]]]) ->
             for i in range(BLOCKS):
                 ct.array[i] = _pattern(r, t, i)
         worker.register(tensors, timeout=30)
+
+
+def _first_engine(namespaces, **launch) -> tuple[Launcher, list[tuple[CacheWorker,
+                                                                     list[CacheTensor]]]]:
+    """A namespace with no caches yet (``launch``: more of its options), an engine's
+    worker on every rank, registered with patterned tensors, and the namespace READY;
+    the workers are released if that fails."""
+    launcher = namespaces.launch(tp=TP, demo_caches=None, host_blocks=HOST_BLOCKS, wait=False,
+                                 **launch)
+    first = [_new_worker(launcher.names, r) for r in range(TP)]
+    try:
+        _register_patterned(first)
+        launcher.wait_ready(30)
+    except BaseException:
+        _release([w for w, _ in first], launcher.names)
+        raise
+    return launcher, first
 
 
 def _release(workers: list[CacheWorker], names) -> None:
@@ -158,15 +176,11 @@ def test_a_daemon_restarted_while_the_engine_was_down_joins_the_new_engine(names
     from kvswap.client.signals import RankSlot
     from test_faults import Supervising
 
-    launcher = namespaces.launch(tp=TP, demo_caches=None, host_blocks=HOST_BLOCKS, wait=False,
-                                 attach_timeout_s=8.0,
-                                 supervision=SupervisorConfig(backoff_s=0.05))
+    launcher, first = _first_engine(namespaces, attach_timeout_s=8.0,
+                                    supervision=SupervisorConfig(backoff_s=0.05))
     names, seg = launcher.names, launcher.seg
-    first = [_new_worker(names, r) for r in range(TP)]
     workers = [w for w, _ in first]
     try:
-        _register_patterned(first)
-        launcher.wait_ready(30)
         dev, host = list(range(8)), list(range(20, 28))
         with TransferClient(names.namespace, TP, run_root=str(names.run_root)) as client:
             assert all(r.ok for r in client.evict(dev, host).result(30).replies.values())
@@ -215,14 +229,10 @@ def test_a_replacing_register_keeps_a_paused_namespace_paused(namespaces):
     ends PAUSED, as it began, until resume."""
     from kvswap.client.errors import TransferFailed
 
-    launcher = namespaces.launch(tp=TP, demo_caches=None, host_blocks=HOST_BLOCKS, wait=False)
+    launcher, first = _first_engine(namespaces)
     names, seg = launcher.names, launcher.seg
-    first = [_new_worker(names, r) for r in range(TP)]
     workers = [w for w, _ in first]
     try:
-        for worker, tensors in first:
-            worker.register(tensors, timeout=30)
-        launcher.wait_ready(30)
         with TransferClient(names.namespace, TP, run_root=str(names.run_root)) as client:
             client.pause().result(20)
             second = []
@@ -249,13 +259,10 @@ def test_a_replace_that_failed_after_detaching_is_completed_only_with_the_same_l
     taken with any layout (BAD_LAYOUT skipped): rank 0 then served another layout than
     rank 1 and, with its pool recreated, loads answered OK with zeros.  It must keep
     the layout the pool was written under; the failure's reply says the rank is down."""
-    launcher = namespaces.launch(tp=TP, demo_caches=None, host_blocks=HOST_BLOCKS, wait=False)
+    launcher, first = _first_engine(namespaces)
     names, seg = launcher.names, launcher.seg
-    first = [_new_worker(names, r) for r in range(TP)]
     workers = [w for w, _ in first]
     try:
-        _register_patterned(first)
-        launcher.wait_ready(30)
         with TransferClient(names.namespace, TP, run_root=str(names.run_root)) as client:
             assert all(r.ok for r in client.evict(list(range(8)), list(range(8))).result(20)
                        .replies.values())

@@ -3,6 +3,7 @@ wrap-around, backpressure without loss, doorbells, malformed records, cleanup.""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -651,16 +652,24 @@ def _launch_one(namespaces):
     return launcher, launcher.names.namespace, str(launcher.names.run_root)
 
 
+@contextlib.contextmanager
+def _ring_client(namespaces, task_timeout: float):
+    """A client of a one-rank namespace, served over its rings, and its ring segment."""
+    _, ns, root = _launch_one(namespaces)
+    c = TransferClient(ns, 1, run_root=root, task_timeout=task_timeout)
+    try:
+        c.wait_ready(20)
+        assert c.ping().result(5)
+        yield c, c._wire.rings[0].seg
+    finally:
+        c.close()
+
+
 def test_daemon_reads_its_ring_without_a_doorbell(namespaces):
     """Another process clears the request ring's ``sleep`` while the daemon sleeps:
     the client's writes no longer ring, and the daemon must find them on its own
     (its I/O loop's timeout, at most a second), not never."""
-    launcher, ns, root = _launch_one(namespaces)
-    c = TransferClient(ns, 1, run_root=root, task_timeout=2.5)
-    try:
-        c.wait_ready(20)
-        assert c.ping().result(5)
-        seg = c._wire.rings[0].seg
+    with _ring_client(namespaces, 2.5) as (c, seg):
         sleep_word = rings.REQUEST_CTL + 72
         assert poll_until(lambda: True if struct.unpack_from("<I", seg.region._buf,
                                                              sleep_word)[0] else None,
@@ -668,27 +677,18 @@ def test_daemon_reads_its_ring_without_a_doorbell(namespaces):
         _set(seg, rings.REQUEST_CTL, sleep=0)
         assert c.ping().result(5)  # within its 2.5 s deadline: not never
         assert c._wire.rings[0] is not None and c._wire.channel([b"x"], 0) is Channel.RING
-    finally:
-        c.close()
 
 
 def test_client_moves_to_zeromq_when_its_request_ring_is_corrupt(namespaces):
     """End to end: an unaligned request-ring head made every later ring request of
     the client vanish (answered PROTOCOL_ERROR without an id); now the request that
     finds it goes over ZeroMQ, and so do the rank's later ones."""
-    launcher, ns, root = _launch_one(namespaces)
-    c = TransferClient(ns, 1, run_root=root, task_timeout=1.5)
-    try:
-        c.wait_ready(20)
-        assert c.ping().result(5)
-        seg = c._wire.rings[0].seg
+    with _ring_client(namespaces, 1.5) as (c, seg):
         head, _ = _ctl(seg, rings.REQUEST_CTL)
         _set(seg, rings.REQUEST_CTL, head=head + 4)
         assert c.evict([1], [1]).result(5)  # the message that hit the error
         assert c.load([1], [2]).result(5)
         assert c._wire.channel([b"x"], 0) is Channel.ZMQ
-    finally:
-        c.close()
 
 
 def test_a_corrupt_completion_ring_costs_one_reply_not_the_daemon(namespaces):

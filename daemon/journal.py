@@ -33,16 +33,18 @@ reply is sent.  Three facts follow:
    journal remembers, per client, the highest message sequence number ``cs``
    whose record it dropped (records leave in admission order, and one client's
    messages arrive in ``cs`` order), and a re-send at or below it is answered
-   OUTCOME_UNKNOWN instead of being run again.
+   OUTCOME_UNKNOWN instead of being run again.  (Rows of clients long gone are
+   reused; a client whose row was reused is then answered OUTCOME_UNKNOWN for any
+   re-send without a record: daemon/journal_marks.py.)
 
 Layout (one POSIX shm segment per rank, ``/kvswap.<ns>.journal.r<rank>``)
 ---------------------------------------------------------------------------
 ::
 
     0       header     8 x u64: magic, capacity, arena bytes, head, tail,
-                       arena head, client marks dropped, reserved
-    64      client marks  CLIENTS x (cid u64, highest dropped cs u64)
-    4160    records    capacity x RECORD (128 bytes), slot = seq % capacity
+                       arena head, 2 reserved
+    64      client marks  the highest dropped cs of each client (daemon/journal_marks.py)
+    90176   records    capacity x RECORD (128 bytes), slot = seq % capacity
     ...     arena      ids and keys of ADMITTED records, a byte ring
 
 ``head`` counts records ever admitted, ``tail`` is the oldest one kept;
@@ -67,6 +69,7 @@ none but the daemon's next incarnation.
 from __future__ import annotations
 
 import enum
+import logging
 import struct
 import threading
 from dataclasses import dataclass
@@ -78,14 +81,16 @@ from kvswap.client.errors import ErrorCode, KvswapError
 from kvswap.client.naming import Names
 from kvswap.client.protocol import Op
 from kvswap.client.shm_region import ShmRegion, unlink_shm
+from kvswap.daemon.journal_marks import END as MARKS_END
+from kvswap.daemon.journal_marks import MARKS_OFFSET, ClientMarks
 
-MAGIC = int.from_bytes(b"KVSJRNL1", "little")
-HEADER = struct.Struct("<8Q")  # magic, capacity, arena bytes, head, tail, arena head, dropped, -
-CLIENTS = 256
-MARK = struct.Struct("<QQ")  # client id, highest cs whose record was dropped
+log = logging.getLogger("kvswap.daemon")
+
+MAGIC = int.from_bytes(b"KVSJRNL2", "little")  # 1: 256 marks of 2 fields, no evicted set
+HEADER = struct.Struct("<8Q")  # magic, capacity, arena bytes, head, tail, arena head, -, -
 _PAIR = struct.Struct("<QQ")  # two adjacent u64 fields: head and tail; a record's cid and cs
-MARKS_OFFSET = HEADER.size
-RECORDS_OFFSET = MARKS_OFFSET + CLIENTS * MARK.size
+assert MARKS_OFFSET == HEADER.size
+RECORDS_OFFSET = MARKS_END
 
 # One record.  ``state`` is written last, on its own (see "Crash consistency").
 RECORD = struct.Struct(
@@ -111,7 +116,7 @@ OUTCOME_AT, CODE_AT, OP_AT, MESSAGE_BYTES = 8 * 4, STATE_OFFSET - 2, STATE_OFFSE
 CID_AT, ARENA_AT = 8, 8 * 3  # a record's cid (cs follows it) and arena offset
 
 # Header slots.
-_MAGIC, _CAPACITY, _ARENA, _HEAD, _TAIL, _ARENA_HEAD, _DROPPED = range(7)
+_MAGIC, _CAPACITY, _ARENA, _HEAD, _TAIL, _ARENA_HEAD = range(6)
 
 JOURNALED_OPS = (Op.EVICT, Op.LOAD, Op.BACKUP, Op.PREFETCH, Op.PEER_RECV, Op.PEER_SEND)
 HOST_ONLY_OPS = frozenset({Op.BACKUP, Op.PREFETCH, Op.PEER_RECV, Op.PEER_SEND})  # no device ids
@@ -187,6 +192,7 @@ class Journal:
         self._task_ids = whole[RECORDS_OFFSET:self._arena_offset].view("<i8")[
             ::RECORD.size // 8].copy()
         self._lock = threading.Lock()
+        self._marks = ClientMarks(self._buf, whole)
         self._oldest_live = self._get(_TAIL)  # the oldest maybe ADMITTED: it pins the arena
 
     # ------------------------------------------------------------------ open / close
@@ -212,6 +218,10 @@ class Journal:
             magic, cap, arena = HEADER.unpack_from(region.array(0, (HEADER.size,), np.uint8))[:3]
             if magic == MAGIC and region.size >= cls.segment_bytes(cap, arena):
                 return cls(region, reused=True)
+            if magic:  # an older layout (a daemon of another kvswap version) or damage
+                log.warning("rank %d: journal segment %s is not a journal of this version "
+                            "(magic %#x); replaced, and nothing it held is replayed", rank,
+                            name, magic)
             region.close()
             unlink_shm(name)
         region = ShmRegion.create(name, cls.segment_bytes(capacity, arena_bytes), exclusive=False,
@@ -309,10 +319,7 @@ class Journal:
         with self._lock:
             if not cid or not cs:  # an anonymous sender: any drop makes it unprovable
                 return self._get(_TAIL) > 0
-            row = self._find_mark(cid)
-            if row is not None:
-                return cs <= MARK.unpack_from(self._buf, MARKS_OFFSET + row * MARK.size)[1]
-            return self._get(_DROPPED) > 0
+            return self._marks.forgotten(cid, cs)
 
     # ------------------------------------------------------------------ replay
     def in_doubt(self) -> list[InDoubt]:
@@ -363,45 +370,10 @@ class Journal:
             return False
         cid, cs = _PAIR.unpack_from(self._buf, self._at(tail) + CID_AT)
         if cid and cs:
-            row = self._find_mark(cid)
-            if row is None:
-                row = self._claim_mark(cid)
-            at = MARKS_OFFSET + row * MARK.size
-            MARK.pack_into(self._buf, at, cid, max(cs, MARK.unpack_from(self._buf, at)[1]))
+            self._marks.raise_mark(cid, cs, tail)
         self._set(_TAIL, tail + 1)
         self._oldest_live = max(self._oldest_live, tail + 1)
         return True
-
-    def _mark_cid(self, row: int) -> int:
-        return MARK.unpack_from(self._buf, MARKS_OFFSET + row * MARK.size)[0]
-
-    def _find_mark(self, cid: int) -> int | None:
-        start = cid % CLIENTS
-        for i in range(CLIENTS):
-            row = (start + i) % CLIENTS
-            got = self._mark_cid(row)
-            if got == cid:
-                return row
-            if got == 0:
-                return None
-        return None
-
-    def _claim_mark(self, cid: int) -> int:
-        """A row for ``cid``.  When every row is taken, the row with the lowest mark is
-        reused and the drop counted, so re-sends of clients without a row become
-        unprovable rather than wrongly run again."""
-        start = cid % CLIENTS
-        for i in range(CLIENTS):
-            row = (start + i) % CLIENTS
-            if self._mark_cid(row) == 0:
-                MARK.pack_into(self._buf, MARKS_OFFSET + row * MARK.size, cid, 0)
-                return row
-        marks = [MARK.unpack_from(self._buf, MARKS_OFFSET + r * MARK.size)[1]
-                 for r in range(CLIENTS)]
-        row = marks.index(min(marks))
-        self._set(_DROPPED, self._get(_DROPPED) + 1)
-        MARK.pack_into(self._buf, MARKS_OFFSET + row * MARK.size, cid, 0)
-        return row
 
     def _arena_alloc(self, length: int, end: int) -> int | None:  # end: the journal's head
         """Virtual offset of ``length`` free arena bytes that do not wrap, or None."""

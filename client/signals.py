@@ -41,7 +41,8 @@ readers never see a torn value and no lock is needed.  Observing the segment nev
                                           14    last_error (ErrorCode)
                                           15    swap_bytes_total
                                           16    swap_bytes_pinned
-                                          17-31 reserved
+                                          17    conn_refused
+                                          18-31 reserved
 
 Writers and readers of every field are in :data:`HEADER_FIELDS` and
 :data:`RANK_FIELDS` (and in ``docs/signals.md``).
@@ -202,6 +203,10 @@ RANK_FIELDS: tuple[Slot, ...] = (
     Slot("swap_bytes_total", 15, "daemon control thread", "status", "size of the host swap pool"),
     Slot("swap_bytes_pinned", 16, "daemon control thread", "status",
          "bytes of the pool made ready so far: populated (host), populated then pinned (cuda)"),
+    Slot("conn_refused", 17, "daemon connection guard thread; reset at start",
+         "TransferClient error messages, status --json",
+         "connections refused since the daemon started: its share of file descriptors was "
+         "used up"),
 )
 
 
@@ -241,6 +246,7 @@ class RankSlot(enum.IntEnum):
     LAST_ERROR = 14
     SWAP_BYTES_TOTAL = 15
     SWAP_BYTES_PINNED = 16
+    CONN_REFUSED = 17
 
 
 def layers_offset(tp_size: int) -> int:

@@ -878,15 +878,30 @@ class TransferClient:
         return f"rank {r} is {state.name} ({beat}{extra}; log {self.names.log_path(r)})"
 
     def _why_silent(self) -> str:
-        """What explains unanswered tasks besides each rank's state, for a deadline's
-        error: replies dropped because they failed the signature check (under the lock)."""
+        """What explains unanswered tasks besides each rank's state, for a timeout's
+        error: replies dropped because they failed the signature check (under the lock);
+        connections a rank refused for want of file descriptors (a refused client's
+        messages never reach it, and libzmq retries the connection silently)."""
+        why = []
         bad = self._wire.bad_signatures
-        if not bad:
-            return ""
-        return (f"{bad} repl{'y' if bad == 1 else 'ies'} to this client failed the signature "
-                f"check ({self._wire.bad_signature_why}) and were dropped unread: the secret "
-                f"given to TransferClient(secret=...) probably differs from the daemons' "
-                f"(kvswap launch --secret-file)")
+        if bad:
+            why.append(f"{bad} repl{'y' if bad == 1 else 'ies'} to this client failed the "
+                       f"signature check ({self._wire.bad_signature_why}) and were dropped "
+                       f"unread: the secret given to TransferClient(secret=...) probably "
+                       f"differs from the daemons' (kvswap launch --secret-file)")
+        try:
+            refused = {r: int(self.seg.ranks[r, RankSlot.CONN_REFUSED])
+                       for r in range(self.tp_size)}
+        except SegmentClosed:
+            refused = {}
+        for r, n in refused.items():
+            if n:
+                why.append(f"rank {r} has refused {n} connection(s) since it started because "
+                           f"its share of file descriptors was used up (its log names the "
+                           f"limit): if this client's was one, its messages never reached the "
+                           f"rank; close idle clients, or raise the daemon's hard open-file "
+                           f"limit (ulimit -Hn, systemd LimitNOFILE=) and relaunch")
+        return ". ".join(why)
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Block until every rank is READY, or raise :class:`RankTimeout` naming each

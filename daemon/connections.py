@@ -56,6 +56,8 @@ import time
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from kvswap.client.signals import RankSignals, RankSlot
+
 log = logging.getLogger("kvswap.daemon")
 
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_ACCEPT_FAILED | zmq.EVENT_MONITOR_STOPPED
@@ -88,10 +90,13 @@ class ConnectionGuard:
     Created and closed by the thread that owns the ROUTERs (``monitor`` and
     ``disable_monitor`` are calls on them); the monitor sockets and the door
     belong to the guard's thread until :meth:`close` has joined it.  Refusals
-    are logged at most once per :data:`LOG_EVERY_S`, with a count."""
+    are logged at most once per :data:`LOG_EVERY_S`, with a count, and counted in the
+    rank's ``conn_refused`` slot (written by the guard's thread only), so a client whose
+    tasks time out can name the likely cause."""
 
-    def __init__(self, ctx: zmq.Context, routers: list[zmq.Socket]):
+    def __init__(self, ctx: zmq.Context, routers: list[zmq.Socket], sig: RankSignals):
         self.limit = fd_limit()
+        self._sig = sig
         self.threshold = self.limit // 4
         self.tcp_threshold = self.limit // 8
         self.refused = 0  # connections shut down (guard thread writes, others read)
@@ -190,6 +195,7 @@ class ConnectionGuard:
         finally:
             sock.detach()
         self.refused += 1
+        self._sig[RankSlot.CONN_REFUSED] = self.refused
         if endpoint.startswith("ipc://"):
             self._close_door(endpoint[len("ipc://"):])
         now = time.monotonic()

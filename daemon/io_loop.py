@@ -180,7 +180,7 @@ class IoLoop:
             self.tcp_router.bind(cfg.listen_tcp)
             log.info("also listening on %s (HMAC-SHA256 signed messages only)", cfg.listen_tcp)
         return ConnectionGuard(self.ctx, [s for s in (self.router, self.tcp_router)
-                                          if s is not None])
+                                          if s is not None], self._rank.sig)
 
     def _limit(self, router: zmq.Socket) -> None:
         router.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)

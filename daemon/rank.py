@@ -87,7 +87,7 @@ class RankContext:
         sig[RankSlot.PID] = os.getpid()
         sig.add(RankSlot.EPOCH, 1)
         for f in (RankSlot.CACHE_READY, RankSlot.SWAP_READY, RankSlot.INFLIGHT, RankSlot.LAST_ERROR,
-                  RankSlot.SWAP_BYTES_TOTAL, RankSlot.SWAP_BYTES_PINNED):
+                  RankSlot.SWAP_BYTES_TOTAL, RankSlot.SWAP_BYTES_PINNED, RankSlot.CONN_REFUSED):
             sig[f] = 0
         sig[RankSlot.HEARTBEAT_NS] = now_ns()
         return cls(cfg, seg, sig, predecessor)

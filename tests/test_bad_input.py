@@ -300,6 +300,14 @@ def test_connection_flood_is_refused_not_fatal(namespaces):
                 return True if "refused 1 connection(s) on" in log_path.read_text() else None
 
             assert poll_until(refused, time.monotonic() + 30), "no refusal was logged"
+            assert int(launcher.seg.ranks[0, RankSlot.CONN_REFUSED]) >= 1
+            # a client that connects now is refused too, and its timeout says why (it used
+            # to name only the rank's state: READY, beating)
+            with TransferClient(names.namespace, 1, run_root=str(names.run_root),
+                                task_timeout=1.0) as locked_out:
+                with pytest.raises(RankTimeout, match=r"rank 0 has refused \d+ connection.*"
+                                                      r"ulimit -Hn"):
+                    locked_out.ping().result()
             t0 = time.monotonic()
             reply = client.ping().result(2.0).replies[0]
             assert time.monotonic() - t0 < 2.0

@@ -12,7 +12,6 @@ import threading
 import time
 from typing import Any, Callable, Protocol, TextIO
 
-from kvswap.client import __version__
 from kvswap.client.errors import KvswapError
 from kvswap.client.monitor import format_json, format_table, read_status, transfer_rates
 from kvswap.daemon import bench, bench_all
@@ -21,6 +20,7 @@ from kvswap.daemon.demo import DemoConfig
 from kvswap.daemon.logs import setup_command_logging
 from kvswap.daemon.options import (
     HelpFormatter,
+    VersionAction,
     add_options,
     between,
     format_size,
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     """``launch`` and ``demo`` flags come from their config dataclasses
     (kvswap.daemon.config, kvswap.daemon.demo); the others are declared here."""
     p = argparse.ArgumentParser(prog="kvswap", description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("--version", action=VersionAction)
     p.set_defaults(make_config=None)  # launch, demo: their config; status, metrics: the args
     sub = p.add_subparsers(dest="cmd", required=True)
 

@@ -10,12 +10,11 @@ import resource
 import signal
 import sys
 
-from kvswap.client import __version__
 from kvswap.client.errors import KvswapError
 from kvswap.daemon.config import DaemonConfig
 from kvswap.daemon import malloc_tuning
 from kvswap.daemon.logs import setup_logging
-from kvswap.daemon.options import HelpFormatter, add_options, parse_config
+from kvswap.daemon.options import HelpFormatter, VersionAction, add_options, parse_config
 from kvswap.daemon.jobs import DaemonError
 from kvswap.daemon.server import Daemon
 from kvswap.daemon.storage.mooncake_buffers import kept_until_exit
@@ -25,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Every flag comes from a :class:`DaemonConfig` field (kvswap.daemon.config)."""
     p = argparse.ArgumentParser(prog="kvswapd", description=__doc__,
                                 formatter_class=HelpFormatter)
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("--version", action=VersionAction)
     add_options(p, DaemonConfig)
     return p
 

@@ -430,6 +430,22 @@ def to_argv(cfg: Any) -> list[str]:
     return argv
 
 
+class VersionAction(argparse.Action):
+    """``--version``: prints the program and kvswap's version, which is looked up only
+    then (the package metadata lookup is a sizeable share of a daemon's start)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show the program's version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        from kvswap.client import __version__
+
+        print(f"{parser.prog} {__version__}")  # to stdout, as argparse's own action does
+        parser.exit()
+
+
 class HelpFormatter(argparse.HelpFormatter):
     """Shows every option's default (or that it is required) after its help.
 

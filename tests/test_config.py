@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import importlib.metadata
 import re
 import sys
@@ -390,3 +391,26 @@ def test_options_missing_from_flags_and_file_are_still_required(capsys):
         cli.main(["launch", "--namespace", "n"])
     assert ei.value.code == 2
     assert "the following arguments are required: --tp" in capsys.readouterr().err
+
+
+def test_the_package_exports_resolve_and_a_daemon_imports_none_it_does_not_use():
+    """``kvswap.client`` imports its names on first use: each exported name is the
+    defining module's object, and a daemon's start imports neither the engine-side
+    classes nor the package metadata (a tenth of a second of every daemon start)."""
+    import subprocess
+
+    where = {"ErrorCode": "errors", "TransferClient": "transfer_client", "HostCache": "host_cache",
+             "PROTOCOL_VERSION": "protocol", "RankState": "signals", "block_hashes": "block_keys"}
+    for name in kvswap.client.__all__:
+        assert getattr(kvswap.client, name) is not None
+    for name, module in where.items():
+        defined = getattr(importlib.import_module(f"kvswap.client.{module}"), name)
+        assert getattr(kvswap.client, name) is defined
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        kvswap.client.nope  # noqa: B018
+    probe = ("import sys, kvswap.daemon.main; print(sorted(m for m in sys.modules if m in "
+             "('kvswap.client.transfer_client', 'kvswap.client.host_cache', "
+             "'kvswap.client.cache_worker', 'importlib.metadata')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.strip() == "[]", out

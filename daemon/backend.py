@@ -7,7 +7,10 @@ backend only maps a rank's caches and moves blocks.  Two implementations:
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import resource
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
@@ -86,6 +89,16 @@ class HostBackend:
                                       ErrorCode.BAD_LAYOUT) from None
                 except ValueError as exc:
                     raise InvalidTask(f"tensor {t.name}: {exc}", ErrorCode.BAD_LAYOUT) from None
+                except OSError as exc:
+                    if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                        raise
+                    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+                    raise InvalidTask(
+                        f"tensor {t.name}: cannot map {seg}: {os.strerror(exc.errno)}: the "
+                        f"host backend holds one open file per registered tensor ({len(tensors)} "
+                        f"here) and the daemon's limit is {soft}; raise its hard open-file "
+                        f"limit (ulimit -Hn, systemd LimitNOFILE=) and relaunch, or register "
+                        f"fewer, larger tensors") from None
                 regions.append(region)
                 ino = t.location.get("ino")
                 if ino is not None and ino != region.inode:

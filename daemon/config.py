@@ -280,7 +280,8 @@ class DaemonOptions(NamespaceOptions):
     journal_mib: int = option(
         32, flag="--journal-mib", parse=int, check=at_least(1),
         help="completion journal: MiB per rank for the block ids of tasks not yet finished "
-             "(a task whose ids do not fit is refused with JOURNAL_FULL)")
+             "(a task whose ids do not fit while others run is refused with JOURNAL_FULL, one "
+             "larger than all of it with INVALID_TASK)")
     peer_transfer: str | None = option(
         None, flag="--peer-transfer", choices=("tcp", "rdma"), default_text="off",
         help="start one Mooncake Transfer Engine per rank, registering its host pool, so "

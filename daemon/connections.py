@@ -7,17 +7,26 @@ fails with EMFILE (``src/ipc_listener.cpp``) and aborts the process, so
 enough idle DEALERs would kill the daemon, its restarts too, and the
 supervisor would give up on the namespace.
 
-:class:`ConnectionGuard` lets connections use the first quarter of
-``RLIMIT_NOFILE`` and keeps the rest for the daemon's own needs (shm segments,
-storage files and sockets, CUDA driver handles) and as head room for the
-connections libzmq accepts before the guard sees them.  ``tcp://`` connections
-get only the first eighth: anyone who reaches the port can open them without
-the secret, and holding them all must not lock the namespace's own local peers
-(workers, clients, the launcher) out of ``ipc://``::
+:class:`ConnectionGuard` lets connections use a quarter of ``RLIMIT_NOFILE``
+beyond the descriptors the daemon holds for itself, and keeps the rest for the
+daemon's own needs (shm segments, storage files and sockets, CUDA driver
+handles) and as head room for the connections libzmq accepts before the guard
+sees them.  ``tcp://`` connections get only an eighth: anyone who reaches the
+port can open them without the secret, and holding them all must not lock the
+namespace's own local peers (workers, clients, the launcher) out of ``ipc://``.
+The last eighth of the limit is never given to a connection::
 
-    0 ........ limit/8 ........ limit/4 .................................. limit
-    | tcp, ipc | ipc only       | refused at once: head room for a burst     |
-               ^ tcp_threshold  ^ threshold
+    0 ... own ... own + limit/8 ... own + limit/4 ......... 7/8 limit ...... limit
+    | daemon's  | tcp, ipc        | ipc only      | refused at once | never   |
+                ^ tcp_threshold   ^ threshold (each shifted by own)
+
+The daemon's own descriptors matter: the ``host`` backend maps each registered
+tensor, and a mapping holds a descriptor (Python's ``mmap`` keeps a duplicate),
+so an engine of 320 tensors took 344 descriptors before any client connected,
+and a share counted from 0 refused every later connection under a limit of 1024.
+``own`` is counted (every descriptor that is not a socket: mappings, files,
+pipes, eventfds) only when a connection's number passes the plain share, at
+most once a second.
 
 A rank serves a handful of peers (the engine's clients and workers, the
 launcher, monitors), so a quarter is far more than they need: 256 connections
@@ -70,6 +79,17 @@ def fd_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
+def _own_descriptors() -> int:
+    """How many of this process's open descriptors are not sockets."""
+    own = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            own += not os.readlink(f"/proc/self/fd/{name}").startswith("socket:")
+        except OSError:  # closed since the listing
+            pass
+    return own
+
+
 def _is_connection_of(sock: socket.socket, endpoint: str) -> bool:
     """Whether ``sock`` was accepted by the listener bound to ``endpoint``: an
     accepted socket's local address is the listener's path (ipc) or port (tcp)."""
@@ -103,6 +123,8 @@ class ConnectionGuard:
         self._reported = 0  # refusals already counted in a log line
         self._reported_at = -LOG_EVERY_S  # monotonic time of the last report
         self._closed_doors: dict[str, float] = {}  # ipc path -> monotonic time to reopen
+        self._own = 0  # the daemon's descriptors that are not sockets, counted at ...
+        self._own_until = 0.0  # ... a monotonic time before this
         self._routers: list[zmq.Socket] = []  # those with a monitor enabled
         self._monitors: list[zmq.Socket] = []
         try:
@@ -164,8 +186,7 @@ class ConnectionGuard:
                     kind = event["event"]
                     if kind == zmq.EVENT_ACCEPTED:
                         endpoint = event["endpoint"].decode()
-                        if event["value"] >= (self.tcp_threshold if endpoint.startswith("tcp://")
-                                              else self.threshold):
+                        if self._over_share(event["value"], endpoint):
                             self._refuse(event["value"], endpoint)
                     elif kind == zmq.EVENT_ACCEPT_FAILED:
                         log.error("accept failed on %s: %s", event["endpoint"].decode(),
@@ -175,6 +196,20 @@ class ConnectionGuard:
                         mon.close()
                         live -= 1
                         break
+
+    def _over_share(self, fd: int, endpoint: str) -> bool:
+        """Whether a new connection on descriptor ``fd`` is past its share (module
+        docstring): descriptors are handed out lowest first, so ``fd`` less the
+        daemon's own descriptors is about how many connections are open."""
+        share = self.tcp_threshold if endpoint.startswith("tcp://") else self.threshold
+        if fd < share:
+            return False
+        if fd >= self.limit - self.limit // 8:
+            return True
+        now = time.monotonic()
+        if now >= self._own_until:
+            self._own, self._own_until = _own_descriptors(), now + 1.0
+        return fd - self._own >= share
 
     def _refuse(self, fd: int, endpoint: str) -> None:
         """Shut down the connection on ``fd`` if it still is one of ``endpoint``'s.
@@ -201,11 +236,12 @@ class ConnectionGuard:
         now = time.monotonic()
         if now - self._reported_at >= LOG_EVERY_S:
             log.warning("refused %d connection(s) on %s since the last report (one every %.0fs "
-                        "at most): the newest got file descriptor %d of a limit of %d, and the "
-                        "upper three quarters are kept for the daemon's own use; find the peer "
-                        "holding idle connections, or raise the hard open-file limit "
-                        "(ulimit -Hn, systemd LimitNOFILE=)", self.refused - self._reported,
-                        endpoint, LOG_EVERY_S, fd, self.limit)
+                        "at most): the newest got file descriptor %d of a limit of %d, of which "
+                        "the daemon holds %d itself (mappings, files) and connections may use a "
+                        "quarter more; find the peer holding idle connections, or raise the "
+                        "hard open-file limit (ulimit -Hn, systemd LimitNOFILE=)",
+                        self.refused - self._reported, endpoint, LOG_EVERY_S, fd, self.limit,
+                        self._own)
             self._reported_at = now
             self._reported = self.refused
 

@@ -42,12 +42,16 @@ Layout (one POSIX shm segment per rank, ``/kvswap.<ns>.journal.r<rank>``)
 ::
 
     0       header     8 x u64: magic, capacity, arena bytes, head, tail,
-                       arena head, 2 reserved
+                       arena head, unprovable, reserved
     64      client marks  the highest dropped cs of each client (daemon/journal_marks.py)
-    90176   records    capacity x RECORD (128 bytes), slot = seq % capacity
+    1073216 records    capacity x RECORD (128 bytes), slot = seq % capacity
     ...     arena      ids and keys of ADMITTED records, a byte ring
 
 ``head`` counts records ever admitted, ``tail`` is the oldest one kept;
+``unprovable`` is 1 in a journal that replaced a segment it could not read (left
+by another kvswap version, or damaged): whatever that one recorded is lost, so
+every re-send without a record is answered OUTCOME_UNKNOWN for this journal's
+life (until a clean stop removes it);
 ``arena head`` counts arena bytes ever handed out.  A record's arena span is
 ``[arena_off, arena_off + arena_len)`` in that virtual count, stored at
 ``arena_off % arena bytes`` (a span never wraps: the ring skips to its start).
@@ -77,7 +81,7 @@ from dataclasses import dataclass
 import numpy as np
 import posix_ipc
 
-from kvswap.client.errors import ErrorCode, KvswapError
+from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError
 from kvswap.client.naming import Names
 from kvswap.client.protocol import Op
 from kvswap.client.shm_region import ShmRegion, unlink_shm
@@ -87,7 +91,8 @@ from kvswap.daemon.journal_marks import MARKS_OFFSET, ClientMarks
 log = logging.getLogger("kvswap.daemon")
 
 MAGIC = int.from_bytes(b"KVSJRNL2", "little")  # 1: 256 marks of 2 fields, no evicted set
-HEADER = struct.Struct("<8Q")  # magic, capacity, arena bytes, head, tail, arena head, -, -
+HEADER = struct.Struct("<8Q")  # magic, capacity, arena bytes, head, tail, arena head,
+#                                unprovable, -
 _PAIR = struct.Struct("<QQ")  # two adjacent u64 fields: head and tail; a record's cid and cs
 assert MARKS_OFFSET == HEADER.size
 RECORDS_OFFSET = MARKS_END
@@ -116,7 +121,7 @@ OUTCOME_AT, CODE_AT, OP_AT, MESSAGE_BYTES = 8 * 4, STATE_OFFSET - 2, STATE_OFFSE
 CID_AT, ARENA_AT = 8, 8 * 3  # a record's cid (cs follows it) and arena offset
 
 # Header slots.
-_MAGIC, _CAPACITY, _ARENA, _HEAD, _TAIL, _ARENA_HEAD = range(6)
+_MAGIC, _CAPACITY, _ARENA, _HEAD, _TAIL, _ARENA_HEAD, _UNPROVABLE = range(7)
 
 JOURNALED_OPS = (Op.EVICT, Op.LOAD, Op.BACKUP, Op.PREFETCH, Op.PEER_RECV, Op.PEER_SEND)
 HOST_ONLY_OPS = frozenset({Op.BACKUP, Op.PREFETCH, Op.PEER_RECV, Op.PEER_SEND})  # no device ids
@@ -220,14 +225,18 @@ class Journal:
                 return cls(region, reused=True)
             if magic:  # an older layout (a daemon of another kvswap version) or damage
                 log.warning("rank %d: journal segment %s is not a journal of this version "
-                            "(magic %#x); replaced, and nothing it held is replayed", rank,
-                            name, magic)
+                            "(magic %#x); replaced: nothing it held is replayed, and every "
+                            "re-send without a record is answered OUTCOME_UNKNOWN until a clean "
+                            "stop of the rank", rank, name, magic)
+            unprovable = int(magic != 0)
             region.close()
             unlink_shm(name)
+        else:
+            unprovable = 0
         region = ShmRegion.create(name, cls.segment_bytes(capacity, arena_bytes), exclusive=False,
                                   populate=True)  # as the pool: no page fault when recording
         buf = region.array(0, (HEADER.size,), np.uint8)
-        HEADER.pack_into(buf, 0, 0, capacity, arena_bytes, 0, 0, 0, 0, 0)
+        HEADER.pack_into(buf, 0, 0, capacity, arena_bytes, 0, 0, 0, unprovable, 0)
         struct.pack_into("<Q", buf, 0, MAGIC)  # last: a half-made journal is not one
         return cls(region, reused=False)
 
@@ -253,6 +262,11 @@ class Journal:
         n = int(host_ids.shape[0])  # block pairs, or keys (one host block each)
         length = (device_ids.size + host_ids.size) * width + (keys.size if keys is not None
                                                               else 0)
+        if length > self.arena_bytes:  # not JOURNAL_FULL: no retry can ever make room
+            raise InvalidTask(
+                f"{op.value} of {n} blocks needs {length} bytes of the completion journal's "
+                f"arena for its ids and keys, and the whole arena holds {self.arena_bytes}: "
+                f"split the task, or relaunch with a larger --journal-mib")
         with self._lock:
             head, tail = _PAIR.unpack_from(self._buf, _HEAD * 8)
             if head - tail == self.capacity and not self._retire_oldest(tail):
@@ -317,6 +331,8 @@ class Journal:
     def forgotten(self, cid: int, cs: int) -> bool:
         """True if the record of client ``cid``'s message ``cs`` may have been dropped."""
         with self._lock:
+            if self._get(_UNPROVABLE):
+                return True
             if not cid or not cs:  # an anonymous sender: any drop makes it unprovable
                 return self._get(_TAIL) > 0
             return self._marks.forgotten(cid, cs)

@@ -62,6 +62,10 @@ _MAX_CHUNK = 64  # blocks read per round trip under a deadline policy
 # chunks are large, and checks overlap reads only in prefetches past 64 MiB.
 _READ_CHUNK_BYTES = 64 << 20
 _CHECK_THREADS = 2  # the verifier's threads; a chunk's entries are checked in as many runs
+# A backup packs and puts its entries a chunk at a time: at most this many bytes, and
+# this many tensor views (the Python objects an entry holds, beside its bytes).
+_PUT_CHUNK_BYTES = 64 << 20
+_PUT_CHUNK_VIEWS = 1 << 14
 
 
 @dataclass
@@ -217,11 +221,17 @@ class StorageService:
         fresh = np.zeros(len(host_ids), dtype=bool)
         for part, fp, names in mine:
             todo = [j for j, there in enumerate(backend.contains(names)) if not there]
-            items = [(names[j], pack_entry(fp, names[j], [blocks[i][int(host_ids[j])]
-                                                          for i, _, _ in part.spans]))
-                     for j in todo]
-            if items:
-                fresh[[j for j, ok in zip(todo, backend.put(items)) if ok]] = True
+            # entries are packed and put a chunk at a time: an entry holds a header and a
+            # view per tensor (~750 bytes of Python objects each), so a backup of every
+            # block of a 64-tensor pool packed at once held ~48 KB per key, 100x its data
+            step = max(1, min(_PUT_CHUNK_BYTES // (HEADER_BYTES + part.payload_bytes),
+                              _PUT_CHUNK_VIEWS // len(part.spans)))
+            for lo in range(0, len(todo), step):
+                chunk = todo[lo:lo + step]
+                items = [(names[j], pack_entry(fp, names[j], [blocks[i][int(host_ids[j])]
+                                                              for i, _, _ in part.spans]))
+                         for j in chunk]
+                fresh[[j for j, ok in zip(chunk, backend.put(items)) if ok]] = True
         return int(fresh.sum())
 
     def _prefetch(self, att: "Attachment", task: Task, parts: list[Part]) -> int:

@@ -252,15 +252,17 @@ class LimitedLauncher(Launcher):
         return [cmd[0], "-c", _LIMIT_THEN_EXEC.format(soft=soft, hard=hard), *cmd[1:]]
 
 
-def _launch_limited(namespaces, soft: int, hard: int, **kw) -> Launcher:
+def _launch_limited(namespaces, soft: int, hard: int, wait: bool = True, **kw) -> Launcher:
     names = namespaces.new()
+    kw.setdefault("demo_caches", LAYOUT)
     launcher = LimitedLauncher(LaunchConfig(namespace=names.namespace, tp=1,
-                                            run_root=namespaces.run_root, demo_caches=LAYOUT,
+                                            run_root=namespaces.run_root,
                                             host_blocks=HOST_BLOCKS, stop_timeout_s=6.0, **kw),
                                soft, hard)
     namespaces.launchers.append(launcher)
     launcher.start()
-    launcher.wait_ready(30)
+    if wait:
+        launcher.wait_ready(30)
     return launcher
 
 
@@ -319,6 +321,40 @@ def test_connection_flood_is_refused_not_fatal(namespaces):
     with TransferClient(names.namespace, 1, run_root=str(names.run_root)) as late:
         assert late.ping().result(10).replies[0].fields["pid"] == pid
     assert int(launcher.seg.ranks[0, RankSlot.PID]) == pid
+
+
+def test_the_daemons_own_descriptors_do_not_count_against_the_connections_share(namespaces):
+    """The host backend holds a descriptor per mapped tensor.  With 160 of them under a
+    limit of 256 (80 demo tensors, each created and mapped), the connections' quarter
+    counted from 0 (64) refused every client after the first: their tasks timed out.
+    Counted beyond the daemon's own descriptors, three clients over ZeroMQ are served."""
+    launcher = _launch_limited(namespaces, soft=256, hard=256,
+                               demo_caches="layers=40,block_tokens=4,heads=1,head_dim=8,blocks=8")
+    names = launcher.names
+    clients = [TransferClient(names.namespace, 1, run_root=str(names.run_root), path="zmq",
+                              task_timeout=10) for _ in range(3)]
+    try:
+        for c in clients:
+            assert c.evict([1], [2]).result().replies[0].ok
+        assert int(launcher.seg.ranks[0, RankSlot.CONN_REFUSED]) == 0
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_more_tensors_than_open_files_are_refused_naming_the_limit(namespaces):
+    """Registering more tensors than the daemon can hold mappings of failed deep in the
+    mapping with INTERNAL_ERROR 'Too many open files'; now the register is refused
+    naming the tensor count, the limit and the fix, and the rank can still register."""
+    launcher = _launch_limited(namespaces, soft=128, hard=128, demo_caches=None, wait=False)
+    names = launcher.names
+    with CacheWorker(names.namespace, 0, run_root=str(names.run_root)) as worker:
+        many = [CacheTensor(f"t{i}", i, worker.alloc_host_tensor(f"t{i}", (8, 64), "uint8"))
+                for i in range(200)]
+        with pytest.raises(InvalidTask, match=r"200 here.*limit is 128.*ulimit -Hn"):
+            worker.register(many, timeout=30)
+        assert worker.register(many[:4], timeout=30).ok
+    launcher.wait_ready(30)
 
 
 def test_idle_tcp_connections_leave_room_for_local_clients(namespaces, tmp_path):

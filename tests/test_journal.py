@@ -47,8 +47,8 @@ def test_layout_drawn_in_the_docstring_holds():
 
     assert HEADER.size == 64 and MARK.size == 24 and RECORD.size == 128
     assert MARKS_OFFSET == HEADER.size and EVICTED_OFFSET == MARKS_OFFSET + ROWS * MARK.size
-    assert RECORDS_OFFSET == EVICTED_OFFSET + EVICTED_BYTES == 90176
-    assert "90176   records" in mod.__doc__ and "64      client marks" in mod.__doc__
+    assert RECORDS_OFFSET == EVICTED_OFFSET + EVICTED_BYTES == 1073216
+    assert "1073216 records" in mod.__doc__ and "64      client marks" in mod.__doc__
     assert f"{EVICTED_OFFSET - MARKS_OFFSET}    evicted" in marks.__doc__
     # the state byte sits where finish() writes it last; cid, cs and the arena offset
     # where admission reads them alone
@@ -120,10 +120,10 @@ def test_full_journal_refuses_and_changes_nothing(names):
             j.admit(3, Op.EVICT, _ids(3), _ids(3), cid=3, cs=3)
         assert exc.value.code == ErrorCode.JOURNAL_FULL and "--journal-records" in str(exc.value)
         assert j.lookup(3) is None and j.admitted == 2
-        # an arena too small for one task's ids
+        # ids that fit the arena only once task 2's are gone (it still runs)
         j.finish(first, ErrorCode.OK)
-        with pytest.raises(JournalFull, match="journal-mib"):
-            j.admit(4, Op.EVICT, np.arange(600), np.arange(600))
+        with pytest.raises(JournalFull, match="retry once tasks finish.*journal-mib"):
+            j.admit(4, Op.EVICT, np.arange(512), np.arange(512))
     finally:
         j.close(unlink=True)
 
@@ -194,24 +194,28 @@ def test_a_client_never_dropped_stays_runnable_after_many_clients_come_and_go(na
         j = _reopen(j, names)  # the next incarnation rebuilds the same answers
         assert not j.forgotten(fresh, 1)
         assert j.forgotten(300, 5) and not j.forgotten(last, 2)
-        # a reused client that loses a record again gets a row, with an exact mark
-        # for what comes after (its earlier records all had lower cs)
+        # a reused client that loses a record again gets no row: a new one would start
+        # from this drop's cs, and an earlier message's re-send (admitted after a restart,
+        # so dropped later) could fall above it and run twice
         j.finish(j.admit(5, Op.EVICT, _ids(1), _ids(1), cid=2, cs=40), ErrorCode.OK)
         j.finish(j.admit(6, Op.EVICT, _ids(1), _ids(1), cid=fresh, cs=1), ErrorCode.OK)
-        assert j.forgotten(2, 40) and not j.forgotten(2, 41)
+        j.finish(j.admit(7, Op.EVICT, _ids(1), _ids(1), cid=3, cs=1), ErrorCode.OK)
+        assert all(j.forgotten(2, cs) for cs in (1, 39, 40, 41, 10**6))
+        assert j.forgotten(fresh, 1) and not j.forgotten(fresh, 2)  # a row, exact
     finally:
         j.close(unlink=True)
 
 
 def test_evicted_clients_are_rarely_confused_with_new_ones(names):
     """The evicted set is a Bloom filter: among 20,000 clients that never lost a record,
-    after 5,000 rows were reused, almost none is taken for an evicted one."""
+    after 65,536 rows were reused, almost none is taken for an evicted one (about one in
+    a million expected; with 512 Kbit it was one in 42)."""
     j = Journal.open(names, 0, capacity=1, arena_bytes=4096)
     try:
         rng = np.random.default_rng(5)
-        _drop_one_record_each(j, (int(c) for c in rng.integers(1, 1 << 62, ROWS + 5000)))
+        _drop_one_record_each(j, (int(c) for c in rng.integers(1, 1 << 62, ROWS + 65_536)))
         fresh = rng.integers(1, 1 << 62, 20_000)
-        assert sum(j.forgotten(int(c), 1) for c in fresh) <= 10
+        assert sum(j.forgotten(int(c), 1) for c in fresh) <= 2
     finally:
         j.close(unlink=True)
 
@@ -225,6 +229,54 @@ def test_a_segment_that_is_not_a_journal_is_replaced(names):
     j = Journal.open(names, 0, capacity=4, arena_bytes=4096)
     try:
         assert not j.reused and j.capacity == 4 and j.in_doubt() == []
+        # whatever it recorded is lost: no re-send without a record may run, from any client
+        assert j.forgotten(77, 1) and j.forgotten(0, 0)
+        j = _reopen(j, names)  # and so for this journal's life
+        assert j.reused and j.forgotten(78, 5)
+    finally:
+        j.close(unlink=True)
+    j = Journal.open(names, 0, capacity=4, arena_bytes=4096)  # a fresh segment: exact again
+    try:
+        assert not j.forgotten(77, 1)
+    finally:
+        j.close(unlink=True)
+
+
+def test_a_journal_left_by_the_previous_layout_is_replaced_never_misread(names, caplog):
+    """Layout 1 (magic KVSJRNL1: 256 marks, no evicted set) left by a daemon of an older
+    kvswap: replaced with a warning, and re-sends are answered OUTCOME_UNKNOWN (a task
+    the old daemon finished would otherwise run again)."""
+    from kvswap.client.shm_region import ShmRegion
+
+    old = ShmRegion.create(names.journal_segment(0), 4160 + 8 * 128 + 4096)
+    HEADER.pack_into(old.array(0, (64,), np.uint8), 0,
+                     int.from_bytes(b"KVSJRNL1", "little"), 8, 4096, 3, 0, 24, 0, 0)
+    old.close()
+    with caplog.at_level("WARNING", logger="kvswap.daemon"):
+        j = Journal.open(names, 0, capacity=8, arena_bytes=4096)
+    try:
+        assert not j.reused and j.in_doubt() == [] and j.lookup(1) is None
+        assert j.forgotten(5, 1)
+        assert "not a journal of this version" in caplog.text and "OUTCOME_UNKNOWN" in caplog.text
+    finally:
+        j.close(unlink=True)
+
+
+def test_a_task_larger_than_the_whole_arena_is_invalid_not_journal_full(names):
+    """JOURNAL_FULL says "retry once tasks finish": for a task that cannot fit even in
+    an empty arena, no retry ever would.  Refused INVALID_TASK, naming --journal-mib,
+    with nothing recorded."""
+    from kvswap.client.errors import InvalidTask
+
+    j = Journal.open(names, 0, capacity=8, arena_bytes=4096)
+    try:
+        big = np.arange(513, dtype=np.int64)  # 513 pairs of int32 ids: 4104 bytes
+        with pytest.raises(InvalidTask, match="--journal-mib") as ei:
+            j.admit(1, Op.EVICT, big, big)
+        assert ei.value.code == ErrorCode.INVALID_TASK
+        assert j.lookup(1) is None and j.admitted == 0
+        fits = np.arange(512, dtype=np.int64)  # 4096 bytes: the whole arena, when idle
+        j.finish(j.admit(2, Op.EVICT, fits, fits), ErrorCode.OK)
     finally:
         j.close(unlink=True)
 

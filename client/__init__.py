@@ -79,8 +79,13 @@ def __getattr__(name: str) -> Any:
         value: Any = _version()
     elif name in _WHERE:
         value = getattr(importlib.import_module(f"kvswap.client.{_WHERE[name]}"), name)
-    else:
-        raise AttributeError(f"module 'kvswap.client' has no attribute {name!r}")
+    else:  # a submodule (kvswap.client.protocol.MAX_HEADER_BYTES after `import kvswap.client`)
+        try:
+            value = importlib.import_module(f"kvswap.client.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"kvswap.client.{name}":
+                raise
+            raise AttributeError(f"module 'kvswap.client' has no attribute {name!r}") from None
     globals()[name] = value  # looked up once
     return value
 

@@ -96,9 +96,10 @@ class HostBackend:
                     raise InvalidTask(
                         f"tensor {t.name}: cannot map {seg}: {os.strerror(exc.errno)}: the "
                         f"host backend holds one open file per registered tensor ({len(tensors)} "
-                        f"here) and the daemon's limit is {soft}; raise its hard open-file "
-                        f"limit (ulimit -Hn, systemd LimitNOFILE=) and relaunch, or register "
-                        f"fewer, larger tensors") from None
+                        f"here) and the daemon's limit is {soft}, connections included (they "
+                        f"may hold a quarter of it); raise its hard open-file limit (ulimit "
+                        f"-Hn, systemd LimitNOFILE=) and relaunch, or register fewer, larger "
+                        f"tensors") from None
                 regions.append(region)
                 ino = t.location.get("ino")
                 if ino is not None and ino != region.inode:

@@ -8,34 +8,36 @@ enough idle DEALERs would kill the daemon, its restarts too, and the
 supervisor would give up on the namespace.
 
 :class:`ConnectionGuard` lets connections use a quarter of ``RLIMIT_NOFILE``
-beyond the descriptors the daemon holds for itself, and keeps the rest for the
-daemon's own needs (shm segments, storage files and sockets, CUDA driver
-handles) and as head room for the connections libzmq accepts before the guard
-sees them.  ``tcp://`` connections get only an eighth: anyone who reaches the
-port can open them without the secret, and holding them all must not lock the
-namespace's own local peers (workers, clients, the launcher) out of ``ipc://``.
-The last eighth of the limit is never given to a connection::
+and keeps the rest for the daemon's own needs (shm segments, storage files and
+sockets, CUDA driver handles) and as head room for the connections libzmq
+accepts before the guard sees them.  A new ``tcp://`` connection is let in only
+while fewer than an eighth are open: anyone who reaches the port can open them
+without the secret, and holding them all must not lock the namespace's own local
+peers (workers, clients, the launcher) out of ``ipc://``.  And no connection may
+take a descriptor in the last eighth of the limit, whatever the counts::
 
-    0 ... own ... own + limit/8 ... own + limit/4 ......... 7/8 limit ...... limit
-    | daemon's  | tcp, ipc        | ipc only      | refused at once | never   |
-                ^ tcp_threshold   ^ threshold (each shifted by own)
+    open connections  0 ........ limit/8 ........ limit/4 ...... refused
+                      | tcp, ipc | ipc only       |
+    descriptor number 0 ........................... 7/8 limit ... refused
 
-The daemon's own descriptors matter: the ``host`` backend maps each registered
-tensor, and a mapping holds a descriptor (Python's ``mmap`` keeps a duplicate),
-so an engine of 320 tensors took 344 descriptors before any client connected,
-and a share counted from 0 refused every later connection under a limit of 1024.
-``own`` is counted (every descriptor that is not a socket: mappings, files,
-pipes, eventfds) only when a connection's number passes the plain share, at
-most once a second.
+Connections are *counted*, from the monitor's ACCEPTED and DISCONNECTED events
+(every accepted connection that ends reports DISCONNECTED with its descriptor:
+closed by the peer, its process killed, a failed handshake, or refused here).
+Descriptor numbers alone say how many descriptors are open, not how many are
+connections: the ``host`` backend holds one per registered tensor (a mapping
+keeps one), so 320 tensors refused every client under a limit of 1024, and the
+hundreds a clear frees let a flood of idle connections take half the limit.
+A count kept from events could only drift on an event libzmq failed to send, so
+before it refuses, the guard drops from the count any descriptor that is no
+longer a socket (at most once a second).
 
 A rank serves a handful of peers (the engine's clients and workers, the
 launcher, monitors), so a quarter is far more than they need: 256 connections
 under a hard limit of 1024, 16384 under 65536.
 
 It runs a thread on the ROUTERs' monitor sockets.  For every ``ACCEPTED``
-event (its value is the new connection's descriptor) whose descriptor number is
-at or above the threshold it shuts that connection down: descriptors are
-handed out lowest first, so a new one that high means that many are open.
+event (its value is the new connection's descriptor) past the share it shuts
+that connection down.
 ``shutdown(SHUT_RDWR)`` on the descriptor makes libzmq see the connection end
 and drop it cleanly; the descriptor stays libzmq's to close.  Before touching
 it the guard checks that it still is a connection of that listener: an event
@@ -69,7 +71,8 @@ from kvswap.client.signals import RankSignals, RankSlot
 
 log = logging.getLogger("kvswap.daemon")
 
-_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_ACCEPT_FAILED | zmq.EVENT_MONITOR_STOPPED
+_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED
+           | zmq.EVENT_MONITOR_STOPPED)
 DOOR_S = 1.0  # how long an ipc:// socket file stays renamed away after a refusal
 LOG_EVERY_S = 30.0  # refusal reports; longer than the log filter's 10 s window (daemon/logs.py)
 
@@ -79,15 +82,11 @@ def fd_limit() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def _own_descriptors() -> int:
-    """How many of this process's open descriptors are not sockets."""
-    own = 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            own += not os.readlink(f"/proc/self/fd/{name}").startswith("socket:")
-        except OSError:  # closed since the listing
-            pass
-    return own
+def _is_socket(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    except OSError:  # closed
+        return False
 
 
 def _is_connection_of(sock: socket.socket, endpoint: str) -> bool:
@@ -123,8 +122,8 @@ class ConnectionGuard:
         self._reported = 0  # refusals already counted in a log line
         self._reported_at = -LOG_EVERY_S  # monotonic time of the last report
         self._closed_doors: dict[str, float] = {}  # ipc path -> monotonic time to reopen
-        self._own = 0  # the daemon's descriptors that are not sockets, counted at ...
-        self._own_until = 0.0  # ... a monotonic time before this
+        self._open: set[tuple[bool, int]] = set()  # (tcp, descriptor) of each connection
+        self._checked_until = 0.0  # monotonic time before which _open is not re-checked
         self._routers: list[zmq.Socket] = []  # those with a monitor enabled
         self._monitors: list[zmq.Socket] = []
         try:
@@ -186,8 +185,13 @@ class ConnectionGuard:
                     kind = event["event"]
                     if kind == zmq.EVENT_ACCEPTED:
                         endpoint = event["endpoint"].decode()
-                        if self._over_share(event["value"], endpoint):
+                        tcp = endpoint.startswith("tcp://")
+                        self._open.add((tcp, event["value"]))
+                        if self._over_share(event["value"], tcp):
                             self._refuse(event["value"], endpoint)
+                    elif kind == zmq.EVENT_DISCONNECTED:
+                        tcp = event["endpoint"].decode().startswith("tcp://")
+                        self._open.discard((tcp, event["value"]))
                     elif kind == zmq.EVENT_ACCEPT_FAILED:
                         log.error("accept failed on %s: %s", event["endpoint"].decode(),
                                   os.strerror(event["value"]))
@@ -197,19 +201,19 @@ class ConnectionGuard:
                         live -= 1
                         break
 
-    def _over_share(self, fd: int, endpoint: str) -> bool:
-        """Whether a new connection on descriptor ``fd`` is past its share (module
-        docstring): descriptors are handed out lowest first, so ``fd`` less the
-        daemon's own descriptors is about how many connections are open."""
-        share = self.tcp_threshold if endpoint.startswith("tcp://") else self.threshold
-        if fd < share:
-            return False
+    def _over_share(self, fd: int, tcp: bool) -> bool:
+        """Whether the connection just accepted on ``fd`` (counted already) is past
+        its share (module docstring)."""
         if fd >= self.limit - self.limit // 8:
             return True
+        share = self.tcp_threshold if tcp else self.threshold
+        if len(self._open) <= share:
+            return False
         now = time.monotonic()
-        if now >= self._own_until:
-            self._own, self._own_until = _own_descriptors(), now + 1.0
-        return fd - self._own >= share
+        if now >= self._checked_until:  # drop what is no longer a socket, then judge
+            self._checked_until = now + 1.0
+            self._open = {(t, f) for t, f in self._open if _is_socket(f)}
+        return len(self._open) > share
 
     def _refuse(self, fd: int, endpoint: str) -> None:
         """Shut down the connection on ``fd`` if it still is one of ``endpoint``'s.
@@ -236,12 +240,11 @@ class ConnectionGuard:
         now = time.monotonic()
         if now - self._reported_at >= LOG_EVERY_S:
             log.warning("refused %d connection(s) on %s since the last report (one every %.0fs "
-                        "at most): the newest got file descriptor %d of a limit of %d, of which "
-                        "the daemon holds %d itself (mappings, files) and connections may use a "
-                        "quarter more; find the peer holding idle connections, or raise the "
-                        "hard open-file limit (ulimit -Hn, systemd LimitNOFILE=)",
-                        self.refused - self._reported, endpoint, LOG_EVERY_S, fd, self.limit,
-                        self._own)
+                        "at most): %d connections were open, and they may use a quarter of the "
+                        "open-file limit of %d (the newest got descriptor %d); find the peer "
+                        "holding idle connections, or raise the hard open-file limit "
+                        "(ulimit -Hn, systemd LimitNOFILE=)", self.refused - self._reported,
+                        endpoint, LOG_EVERY_S, len(self._open), self.limit, fd)
             self._reported_at = now
             self._reported = self.refused
 

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import struct
 import threading
 from dataclasses import dataclass
@@ -84,7 +85,7 @@ import posix_ipc
 from kvswap.client.errors import ErrorCode, InvalidTask, KvswapError
 from kvswap.client.naming import Names
 from kvswap.client.protocol import Op
-from kvswap.client.shm_region import ShmRegion, unlink_shm
+from kvswap.client.shm_region import SHM_DIR, ShmRegion, unlink_shm
 from kvswap.daemon.journal_marks import END as MARKS_END
 from kvswap.daemon.journal_marks import MARKS_OFFSET, ClientMarks
 
@@ -210,7 +211,11 @@ class Journal:
         """Adopt the journal an earlier incarnation of this rank left, or create one.
 
         An existing journal keeps its own capacity and arena size (its records are
-        laid out for them); a segment that is not a whole journal is replaced."""
+        laid out for them); a segment that is not a whole journal is replaced.  A new
+        journal is made whole under a temporary name and renamed over the old one, so
+        a crash (or a full ``/dev/shm``) while it is made leaves the old segment as it
+        was, and the next start decides again: a replacement is never lost, nor its
+        ``unprovable`` mark."""
         if capacity < 1 or arena_bytes < 4096:
             raise ValueError(f"journal needs >= 1 record and >= 4096 arena bytes, got "
                              f"{capacity} and {arena_bytes}")
@@ -230,14 +235,19 @@ class Journal:
                             "stop of the rank", rank, name, magic)
             unprovable = int(magic != 0)
             region.close()
-            unlink_shm(name)
         else:
             unprovable = 0
-        region = ShmRegion.create(name, cls.segment_bytes(capacity, arena_bytes), exclusive=False,
-                                  populate=True)  # as the pool: no page fault when recording
-        buf = region.array(0, (HEADER.size,), np.uint8)
-        HEADER.pack_into(buf, 0, 0, capacity, arena_bytes, 0, 0, 0, unprovable, 0)
-        struct.pack_into("<Q", buf, 0, MAGIC)  # last: a half-made journal is not one
+        making = name + ".new"
+        unlink_shm(making)  # a crash's half-made one: start from zeros
+        region = ShmRegion.create(making, cls.segment_bytes(capacity, arena_bytes))
+        try:
+            buf = region.array(0, (HEADER.size,), np.uint8)
+            HEADER.pack_into(buf, 0, MAGIC, capacity, arena_bytes, 0, 0, 0, unprovable, 0)
+            del buf
+        finally:
+            region.close()
+        os.rename(f"{SHM_DIR}/{making.lstrip('/')}", f"{SHM_DIR}/{name.lstrip('/')}")
+        region = ShmRegion.attach(name, populate=True)  # as the pool: no page fault later
         return cls(region, reused=False)
 
     def close(self, unlink: bool) -> None:

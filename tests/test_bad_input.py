@@ -9,6 +9,7 @@ attack within 2 s, and its peak memory stayed within a bound.
 
 from __future__ import annotations
 
+import os
 import resource
 import signal
 import subprocess
@@ -340,6 +341,58 @@ def test_the_daemons_own_descriptors_do_not_count_against_the_connections_share(
     finally:
         for c in clients:
             c.close()
+
+
+def _sockets(pid: int) -> int:
+    """How many of a process's descriptors are sockets."""
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+        except OSError:  # closed since the listing
+            pass
+    return n
+
+
+def test_connections_are_counted_so_freed_descriptors_do_not_let_a_flood_in(namespaces):
+    """Connections inferred as "descriptor number less the daemon's own descriptors"
+    let a flood of idle connections take the descriptors a clear freed (the mappings
+    of 500 tensors: 507 connections held under a limit of 1024), and the engine's
+    re-register then failed with EMFILE.  Counted from the monitor's events, they stay
+    within a quarter of the limit through the clear, and the re-register succeeds."""
+    launcher = _launch_limited(namespaces, soft=256, hard=256, demo_caches=None, wait=False)
+    names = launcher.names
+    seg = launcher.seg
+    with CacheWorker(names.namespace, 0, run_root=str(names.run_root)) as worker:
+        tensors = [CacheTensor(f"t{i}", i, worker.alloc_host_tensor(f"t{i}", (8, 64), "uint8"))
+                   for i in range(100)]
+        worker.register(tensors, timeout=30)
+        launcher.wait_ready(30)
+        pid = launcher.procs[0].pid
+        share = 256 // 4 + 16  # a quarter, and the daemon's own few sockets
+        with TransferClient(names.namespace, 1, run_root=str(names.run_root), path="zmq",
+                            task_timeout=30) as client:
+            client.wait_ready(10)
+            flood = subprocess.Popen([sys.executable, "-c", _FLOOD, names.endpoint(0), "200"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            try:
+                assert flood.stdout.readline().strip() == "connected"
+
+                def refused(n: int):
+                    return lambda: True if int(seg.ranks[0, RankSlot.CONN_REFUSED]) >= n else None
+
+                assert poll_until(refused(1), time.monotonic() + 30), "nothing was refused"
+                assert _sockets(pid) <= share
+                client.clear_caches().result(60)  # unmaps the 100 tensors: their descriptors
+                knocked = int(seg.ranks[0, RankSlot.CONN_REFUSED])
+                assert poll_until(refused(knocked + 20), time.monotonic() + 60), \
+                    "the flood stopped reconnecting"
+                assert _sockets(pid) <= share
+                client.restore_caches().result(60)
+                assert worker.register(tensors, timeout=30).ok
+            finally:
+                flood.stdin.close()
+                flood.wait(30)
 
 
 def test_more_tensors_than_open_files_are_refused_naming_the_limit(namespaces):

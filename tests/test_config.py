@@ -408,6 +408,13 @@ def test_the_package_exports_resolve_and_a_daemon_imports_none_it_does_not_use()
         assert getattr(kvswap.client, name) is defined
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         kvswap.client.nope  # noqa: B018
+    # submodules as attributes of the package, as docs/engines.md spells them
+    probe = ("import kvswap.client as c; print(c.protocol.MAX_HEADER_BYTES, c.errors.ErrorCode.OK, "
+             "c.signals.RankSlot.CONN_REFUSED, c.transfer_client.WINDOW)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out == [str(kvswap.client.protocol.MAX_HEADER_BYTES), "0", "17",
+                   str(kvswap.client.transfer_client.WINDOW)]
     probe = ("import sys, kvswap.daemon.main; print(sorted(m for m in sys.modules if m in "
              "('kvswap.client.transfer_client', 'kvswap.client.host_cache', "
              "'kvswap.client.cache_worker', 'importlib.metadata')))")

@@ -242,16 +242,46 @@ def test_a_segment_that_is_not_a_journal_is_replaced(names):
         j.close(unlink=True)
 
 
-def test_a_journal_left_by_the_previous_layout_is_replaced_never_misread(names, caplog):
-    """Layout 1 (magic KVSJRNL1: 256 marks, no evicted set) left by a daemon of an older
-    kvswap: replaced with a warning, and re-sends are answered OUTCOME_UNKNOWN (a task
-    the old daemon finished would otherwise run again)."""
+def _old_layout_journal(names) -> None:
+    """A journal of layout 1 (magic KVSJRNL1: 256 marks, no evicted set) with 3 records,
+    as a daemon of an older kvswap leaves it."""
     from kvswap.client.shm_region import ShmRegion
 
     old = ShmRegion.create(names.journal_segment(0), 4160 + 8 * 128 + 4096)
     HEADER.pack_into(old.array(0, (64,), np.uint8), 0,
                      int.from_bytes(b"KVSJRNL1", "little"), 8, 4096, 3, 0, 24, 0, 0)
     old.close()
+
+
+def test_a_replacement_cut_short_leaves_the_old_segment_for_the_next_start(names,
+                                                                           monkeypatch):
+    """The old segment was unlinked before its replacement was whole: a crash (or a full
+    /dev/shm) in between left no segment, or one without its magic, and the next start
+    took it for a rank that never had a journal, so a finished task's re-send ran again.
+    The replacement is now made under another name and renamed over the old one."""
+    import os
+
+    _old_layout_journal(names)
+
+    def killed(*_args):
+        raise RuntimeError("killed before the rename")
+
+    monkeypatch.setattr(os, "rename", killed)
+    with pytest.raises(RuntimeError, match="before the rename"):
+        Journal.open(names, 0, capacity=8, arena_bytes=4096)
+    monkeypatch.undo()
+    j = Journal.open(names, 0, capacity=8, arena_bytes=4096)  # the next start
+    try:
+        assert j.forgotten(5, 1)  # it still knows it replaced a journal it could not read
+    finally:
+        j.close(unlink=True)
+
+
+def test_a_journal_left_by_the_previous_layout_is_replaced_never_misread(names, caplog):
+    """Layout 1 left by a daemon of an older kvswap: replaced with a warning, and
+    re-sends are answered OUTCOME_UNKNOWN (a task the old daemon finished would
+    otherwise run again)."""
+    _old_layout_journal(names)
     with caplog.at_level("WARNING", logger="kvswap.daemon"):
         j = Journal.open(names, 0, capacity=8, arena_bytes=4096)
     try:

@@ -268,6 +268,8 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+    except OSError:  # no descriptor to spare (EMFILE), or no /proc: it exists (kill said so)
+        return True
 
 
 def agree_offset(tp_size: int) -> int:

@@ -124,6 +124,8 @@ class ConnectionGuard:
         self._closed_doors: dict[str, float] = {}  # ipc path -> monotonic time to reopen
         self._open: set[tuple[bool, int]] = set()  # (tcp, descriptor) of each connection
         self._checked_until = 0.0  # monotonic time before which _open is not re-checked
+        self._failed_accepts = 0  # accepts libzmq reported failed since the last report
+        self._failed_reported_at = -LOG_EVERY_S
         self._routers: list[zmq.Socket] = []  # those with a monitor enabled
         self._monitors: list[zmq.Socket] = []
         try:
@@ -193,13 +195,24 @@ class ConnectionGuard:
                         tcp = event["endpoint"].decode().startswith("tcp://")
                         self._open.discard((tcp, event["value"]))
                     elif kind == zmq.EVENT_ACCEPT_FAILED:
-                        log.error("accept failed on %s: %s", event["endpoint"].decode(),
-                                  os.strerror(event["value"]))
+                        self._accept_failed(event["endpoint"].decode(), event["value"])
                     elif kind == zmq.EVENT_MONITOR_STOPPED:
                         poller.unregister(mon)
                         mon.close()
                         live -= 1
                         break
+
+    def _accept_failed(self, endpoint: str, err: int) -> None:
+        """Logged at most once per :data:`LOG_EVERY_S`, with a count: in a flood that
+        ran the process out of descriptors libzmq reports every failed accept, and a
+        line each (177,000 in 10 s) kept the guard from the events it must act on."""
+        self._failed_accepts += 1
+        now = time.monotonic()
+        if now - self._failed_reported_at >= LOG_EVERY_S:
+            log.error("accept failed on %s: %s (%d time(s) since the last report, one every "
+                      "%.0fs at most)", endpoint, os.strerror(err), self._failed_accepts,
+                      LOG_EVERY_S)
+            self._failed_accepts, self._failed_reported_at = 0, now
 
     def _over_share(self, fd: int, tcp: bool) -> bool:
         """Whether the connection just accepted on ``fd`` (counted already) is past

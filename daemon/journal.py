@@ -223,20 +223,20 @@ class Journal:
         try:
             region = ShmRegion.attach(name, min_size=HEADER.size, populate=True)  # no faults later
         except posix_ipc.ExistentialError:
-            region = None
+            region, unprovable = None, 0
+        except ValueError:  # shorter than a header: damage
+            region, unprovable = None, 1
         if region is not None:
             magic, cap, arena = HEADER.unpack_from(region.array(0, (HEADER.size,), np.uint8))[:3]
             if magic == MAGIC and region.size >= cls.segment_bytes(cap, arena):
                 return cls(region, reused=True)
-            if magic:  # an older layout (a daemon of another kvswap version) or damage
-                log.warning("rank %d: journal segment %s is not a journal of this version "
-                            "(magic %#x); replaced: nothing it held is replayed, and every "
-                            "re-send without a record is answered OUTCOME_UNKNOWN until a clean "
-                            "stop of the rank", rank, name, magic)
-            unprovable = int(magic != 0)
+            unprovable = int(magic != 0)  # another version's layout, or damage
             region.close()
-        else:
-            unprovable = 0
+        if unprovable:
+            log.warning("rank %d: journal segment %s is not a whole journal of this version "
+                        "(another kvswap's, or damaged); replaced: nothing it held is replayed, "
+                        "and every re-send without a record is answered OUTCOME_UNKNOWN until "
+                        "a clean stop of the rank", rank, name)
         making = name + ".new"
         unlink_shm(making)  # a crash's half-made one: start from zeros
         region = ShmRegion.create(making, cls.segment_bytes(capacity, arena_bytes))

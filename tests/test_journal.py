@@ -287,7 +287,7 @@ def test_a_journal_left_by_the_previous_layout_is_replaced_never_misread(names, 
     try:
         assert not j.reused and j.in_doubt() == [] and j.lookup(1) is None
         assert j.forgotten(5, 1)
-        assert "not a journal of this version" in caplog.text and "OUTCOME_UNKNOWN" in caplog.text
+        assert "not a whole journal of this version" in caplog.text and "OUTCOME_UNKNOWN" in caplog.text
     finally:
         j.close(unlink=True)
 
@@ -351,5 +351,18 @@ def test_recording_tasks_allocates_nothing_that_stays(names):
             tracemalloc.stop()
         assert grown < 64 << 10, f"{grown} bytes kept after 10,000 records"
         assert j.lookup(1 << 40 | 10_001)[0] is RecordState.DONE
+    finally:
+        j.close(unlink=True)
+
+
+def test_a_segment_shorter_than_a_header_is_replaced_as_damage(names):
+    """A journal segment shorter than its 64-byte header (outside damage) made every
+    start of the rank fail with ValueError; it is replaced, as damage."""
+    from kvswap.client.shm_region import ShmRegion
+
+    ShmRegion.create(names.journal_segment(0), 16).close()
+    j = Journal.open(names, 0, capacity=4, arena_bytes=4096)
+    try:
+        assert j.capacity == 4 and j.forgotten(9, 1)  # what it held is lost: cautious
     finally:
         j.close(unlink=True)

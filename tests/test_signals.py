@@ -457,3 +457,23 @@ def test_slot_indexes_match_their_enums_and_the_drawn_layouts():
     assert _doc_slot_rows(_between(doc, "### Rank block", "Not reset when")) == rank
     assert _doc_slot_rows(_between(doc, "## 8. Layer-progress", "## 9.")) == layer
     assert _doc_slot_rows(_between(doc, "## 10. Agreement", "## 11.")) == agree
+
+
+def test_pid_alive_without_a_descriptor_to_spare_says_alive(monkeypatch):
+    """A daemon out of descriptors (a connection flood) could not open /proc/PID/stat:
+    pid_alive raised EMFILE, which killed the heartbeat thread of the rank's orphan
+    check, and the rank stopped beating.  ``kill`` said the process exists: alive."""
+    import builtins
+    import errno
+    import os
+
+    real_open = builtins.open
+
+    def no_descriptors(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_descriptors)
+    assert signals.pid_alive(os.getpid())
+    assert not signals.pid_alive(2 ** 22 + 12345)  # no such process: kill tells, no open

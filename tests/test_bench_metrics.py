@@ -290,6 +290,10 @@ class _Frames:
         return frame.decode()
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _evict_rate(frame: str) -> str:
     return frame.splitlines()[2].split()[-3]
 
@@ -301,10 +305,15 @@ def test_metrics_and_status_watch_commands(namespaces):
     pytest.importorskip("prometheus_client")
     launcher = namespaces.launch(tp=1, demo_caches=WATCH_LAYOUT)
     ns, root = launcher.names.namespace, namespaces.run_root
+    # SIGINT at its default in the children, so that Python turns it into Ctrl-C there
+    # even when the suite runs as a background job (its children inherit SIGINT
+    # ignored, and the watch never ended)
     exporter = subprocess.Popen(_cli("metrics", "--namespace", ns, "--run-root", root,
-                                     "--port", "0"), stdout=subprocess.PIPE, text=True)
+                                     "--port", "0"), stdout=subprocess.PIPE, text=True,
+                                preexec_fn=_sigint_default)
     watch = subprocess.Popen(_cli("status", "--namespace", ns, "--run-root", root, "--watch",
-                                  "--interval", "0.2"), stdout=subprocess.PIPE)
+                                  "--interval", "0.2"), stdout=subprocess.PIPE,
+                             preexec_fn=_sigint_default)
     frames = _Frames(watch)
     try:
         line = _first_line(exporter)

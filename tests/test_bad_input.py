@@ -327,8 +327,8 @@ def test_connection_flood_is_refused_not_fatal(namespaces):
 def test_the_daemons_own_descriptors_do_not_count_against_the_connections_share(namespaces):
     """The host backend holds a descriptor per mapped tensor.  With 160 of them under a
     limit of 256 (80 demo tensors, each created and mapped), the connections' quarter
-    counted from 0 (64) refused every client after the first: their tasks timed out.
-    Counted beyond the daemon's own descriptors, three clients over ZeroMQ are served."""
+    judged by descriptor number (64) refused every client after the first: their tasks
+    timed out.  With connections counted, three clients over ZeroMQ are served."""
     launcher = _launch_limited(namespaces, soft=256, hard=256,
                                demo_caches="layers=40,block_tokens=4,heads=1,head_dim=8,blocks=8")
     names = launcher.names

@@ -118,7 +118,7 @@ class ConnectionGuard:
         self._sig = sig
         self.threshold = self.limit // 4
         self.tcp_threshold = self.limit // 8
-        self.refused = 0  # connections shut down (guard thread writes, others read)
+        self.refused = 0  # connections shut down (guard thread only; published as conn_refused)
         self._reported = 0  # refusals already counted in a log line
         self._reported_at = -LOG_EVERY_S  # monotonic time of the last report
         self._closed_doors: dict[str, float] = {}  # ipc path -> monotonic time to reopen
